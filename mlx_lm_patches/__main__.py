@@ -1,0 +1,141 @@
+"""Command line: ``python -m mlx_lm_patches {status,check,run,table}``.
+
+* ``status [--json]`` – versions, activation path and one row per patch, read from the live
+  objects after importing ``mlx_lm`` the way a user would. Exit 1 if a patch failed.
+* ``check [IDS...]`` – the main job: demonstrate every applicable fix live (see ``check.py``).
+  Exit 1 if a fix does not hold.
+* ``run -m MODULE [ARGS...]`` / ``run SCRIPT [ARGS...]`` – apply explicitly, then run a module
+  or script in this process (for ``python -S``, frozen apps, or no ``.pth``).
+* ``table`` – the README table of patches, generated from compat_matrix.yaml.
+"""
+
+import argparse
+import json
+import runpy
+import sys
+
+
+def _status(args) -> int:
+    from . import _boot, engine
+
+    try:
+        import mlx_lm  # noqa: F401  - triggers automatic activation, like a user's import
+    except ImportError as exc:
+        print(f"mlx_lm cannot be imported: {exc}", file=sys.stderr)
+    eng = engine.get()
+    rows = eng.rows()
+    info = {
+        "mlx_lm_patches": _version(),
+        "mlx_lm": eng.mlx_lm.describe(),
+        "mlx": eng.mlx.describe(),
+        "activation": eng.activation or _why_inactive(_boot.armed_by()),
+        "matrix": str(eng.matrix.path),
+        "patches": [r.to_dict() for r in rows],
+    }
+    if args.json:
+        print(json.dumps(info, indent=2))
+    else:
+        print(f"mlx-lm-patches {info['mlx_lm_patches']}: mlx-lm {info['mlx_lm']}, mlx {info['mlx']}")
+        print(f"activation: {info['activation']}")
+        print(f"matrix: {info['matrix']}")
+        width = max((len(r.id) for r in rows), default=2)
+        for r in rows:
+            print(f"  {r.id:<{width}}  {r.state:<15}  affected {r.affected}")
+            print(f"  {'':<{width}}  {r.summary}")
+            if r.detail:
+                print(f"  {'':<{width}}  -> {r.detail}")
+    return 1 if any(r.state == "failed" for r in rows) else 0
+
+
+def _why_inactive(armed_by) -> str:
+    from . import env
+
+    try:
+        enabled = env.flag(env.ENABLED, default=True)
+    except env.EnvError as exc:
+        return f"none ({exc})"
+    if not enabled:
+        return f"none ({env.ENABLED}=0)"
+    if armed_by:
+        return f"armed by {armed_by}, not yet triggered"
+    return "none (not armed: package not installed with its .pth; use apply() or mlx-lm-patches-run)"
+
+
+def _version() -> str:
+    from . import __version__
+
+    return __version__
+
+
+def _check(args) -> int:
+    from . import check
+
+    results = check.run_check(args.ids or None)
+    print(check.format_report(results))
+    return 0 if all(r.holds for r in results) else 1
+
+
+def _table(args) -> int:
+    from . import matrix
+
+    print(render_table(matrix.load()))
+    return 0
+
+
+def render_table(the_matrix) -> str:
+    lines = [
+        "| id | fixes | affected mlx-lm | fixed in |",
+        "|---|---|---|---|",
+    ]
+    for spec in the_matrix.patches:
+        fixed = str(spec.fixed_in) if spec.fixed_in else "not yet"
+        lines.append(f"| `{spec.id}` | {spec.summary} | `{spec.affected}` | {fixed} |")
+    return "\n".join(lines)
+
+
+def _run(args) -> int:
+    from . import engine
+
+    if not args.target:
+        print("run: give -m MODULE or a script path", file=sys.stderr)
+        return 2
+    try:
+        engine.apply()
+    except (engine.PatchError, ValueError) as exc:
+        print(f"mlx-lm-patches: {exc}", file=sys.stderr)
+        return 1
+    if args.module:
+        sys.argv = [args.target] + args.args
+        runpy.run_module(args.target, run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = [args.target] + args.args
+        runpy.run_path(args.target, run_name="__main__")
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mlx_lm_patches", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("status", help="installed versions, activation and per-patch state")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_status)
+    p = sub.add_parser("check", help="demonstrate every applicable fix on tiny models")
+    p.add_argument("ids", nargs="*", help="patch ids (default: all)")
+    p.set_defaults(func=_check)
+    p = sub.add_parser("table", help="print the README table of patches")
+    p.set_defaults(func=_table)
+    p = sub.add_parser("run", help="apply, then run a module (-m) or a script in this process")
+    p.add_argument("-m", dest="module", action="store_true", help="run TARGET as a module")
+    p.add_argument("target", nargs="?")
+    p.add_argument("args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=_run)
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as exc:  # malformed environment variables, unknown ids
+        print(f"mlx-lm-patches: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,357 @@
+"""The engine: decides, per patch, whether to apply it, applies it, reverts it, reports on it.
+
+Per patch, in this order: disabled by the environment or the caller -> ``disabled``; installed
+mlx-lm outside the affected range -> ``skipped:version``; otherwise a post-import hook waits for
+the patch's anchor module (``pending``); when it is imported the patch module's ``probe()``
+looks for the bug: absent -> ``skipped:probe``, present -> ``apply(patcher)`` -> ``applied``
+(or ``failed``). ``revert`` restores the original objects -> ``reverted``.
+
+Failures are contained. Automatic activation logs them and lets ``import mlx_lm`` succeed
+(unless ``MLX_LM_PATCHES_STRICT=1``); explicit :func:`apply` raises :class:`PatchError`.
+All state changes happen under one re-entrant lock; imports happen outside it.
+"""
+
+import importlib
+import logging
+import sys
+import threading
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Dict, Iterable, List, Optional
+
+from . import env, matrix, versions
+from .patching import Patcher
+
+log = logging.getLogger("mlx_lm_patches")
+
+
+class State(str, Enum):
+    INACTIVE = "inactive"  # nothing asked for this patch in this process yet
+    PENDING = "pending"  # waiting for its anchor module to be imported
+    APPLIED = "applied"
+    SKIPPED_VERSION = "skipped:version"
+    SKIPPED_PROBE = "skipped:probe"
+    DISABLED = "disabled"
+    FAILED = "failed"
+    REVERTED = "reverted"
+
+
+class PatchError(RuntimeError):
+    """Explicit apply()/revert() could not do what was asked; the message says which patch."""
+
+
+@dataclass
+class PatchStatus:
+    id: str
+    summary: str
+    affected: str
+    fixed_in: Optional[str]
+    state: str
+    detail: str
+    targets: List[str]
+    upstream: List[str]
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class _Record:
+    spec: matrix.PatchSpec
+    state: State = State.INACTIVE
+    detail: str = ""
+    patcher: Optional[Patcher] = None
+    active: bool = False  # read by every wrapper we installed (soft revert)
+    raise_errors: bool = False
+    error: Optional[BaseException] = field(default=None, repr=False)
+
+
+class Engine:
+    def __init__(self, the_matrix: matrix.Matrix):
+        self.matrix = the_matrix
+        self.lock = threading.RLock()
+        self.records: Dict[str, _Record] = {s.id: _Record(s) for s in the_matrix.patches}
+        self.activation: Optional[str] = None
+        self.mlx_lm = versions.mlx_lm()
+        self.mlx = versions.mlx()
+
+    # -- selection --------------------------------------------------------------------------
+    def _resolve_ids(self, ids: Optional[Iterable[str]], what: str) -> List[str]:
+        if ids is None:
+            return list(self.records)
+        if isinstance(ids, str):
+            ids = [i for i in ids.replace(",", " ").split() if i]
+        ids = list(ids)
+        unknown = [i for i in ids if i not in self.records]
+        if unknown:
+            raise ValueError(
+                f"{what}: unknown patch id(s) {', '.join(map(repr, unknown))}; "
+                f"known: {', '.join(self.records)}"
+            )
+        return ids
+
+    def _env_disabled(self, raise_errors: bool) -> set:
+        try:
+            listed = env.id_list(env.DISABLE)
+        except env.EnvError:
+            if raise_errors:
+                raise
+            log.error("mlx-lm-patches: %s", sys.exc_info()[1])
+            return set()
+        if listed is None:
+            return set()
+        if listed == "*":
+            return set(self.records)
+        unknown = [i for i in listed if i not in self.records]
+        if unknown:
+            message = (
+                f"{env.DISABLE} names unknown patch id(s) {', '.join(map(repr, unknown))}; "
+                f"known: {', '.join(self.records)}"
+            )
+            if raise_errors:
+                raise env.EnvError(message)
+            log.warning("mlx-lm-patches: %s", message)
+        return {i for i in listed if i in self.records}
+
+    # -- apply ------------------------------------------------------------------------------
+    def request(self, ids=None, exclude=None, raise_errors=True, import_anchors=True):
+        """Ask for patches; returns the status rows of the patches asked for."""
+        chosen = self._resolve_ids(ids, "only")
+        excluded = set(self._resolve_ids(exclude, "exclude")) if exclude else set()
+        disabled = self._env_disabled(raise_errors) | excluded
+        version = self.mlx_lm.parsed
+        to_import = []
+        with self.lock:
+            for pid in chosen:
+                rec = self.records[pid]
+                if rec.state in (State.APPLIED, State.PENDING):
+                    continue  # idempotent
+                rec.raise_errors = raise_errors
+                rec.error = None
+                if pid in disabled:
+                    why = "excluded by the caller" if pid in excluded else f"{env.DISABLE}"
+                    self._set(rec, State.DISABLED, f"disabled ({why})")
+                    continue
+                if version is None:
+                    self._set(rec, State.SKIPPED_VERSION, f"mlx-lm {self.mlx_lm.describe()}")
+                    continue
+                if not rec.spec.affects(version):
+                    fixed = f"; fixed in {rec.spec.fixed_in}" if rec.spec.fixed_in else ""
+                    self._set(
+                        rec,
+                        State.SKIPPED_VERSION,
+                        f"mlx-lm {self.mlx_lm.describe()} is outside {rec.spec.affected}{fixed}",
+                    )
+                    continue
+                self._set(rec, State.PENDING, f"waiting for import of {rec.spec.anchor}")
+                self._hook(rec.spec.anchor, lambda module, rec=rec: self._decide(rec))
+                to_import.append(rec.spec.anchor)
+        if import_anchors:
+            for name in dict.fromkeys(to_import):
+                try:
+                    importlib.import_module(name)
+                except ImportError as exc:
+                    log.debug("mlx-lm-patches: %s not importable yet: %s", name, exc)
+        rows = [self.row(pid) for pid in chosen]
+        if raise_errors:
+            failed = [self.records[pid] for pid in chosen if self.records[pid].state is State.FAILED]
+            if failed:
+                raise PatchError(
+                    "; ".join(f"patch {r.spec.id!r} failed: {r.detail}" for r in failed)
+                ) from failed[0].error
+        return rows
+
+    def _hook(self, module_name: str, callback) -> None:
+        import wrapt
+
+        def hook(module):
+            try:
+                callback(module)
+            except Exception:
+                if _strict():
+                    raise
+                log.exception("mlx-lm-patches: post-import hook for %s failed", module_name)
+
+        wrapt.register_post_import_hook(hook, module_name)
+
+    def _decide(self, rec: _Record) -> None:
+        with self.lock:
+            if rec.state is not State.PENDING:
+                return  # reverted or decided meanwhile
+            spec = rec.spec
+            try:
+                patch_module = importlib.import_module(spec.module_name)
+                evidence = patch_module.probe()
+            except Exception as exc:
+                self._fail(rec, f"probe raised {type(exc).__name__}: {exc}", exc)
+                return
+            if not evidence:
+                self._set(rec, State.SKIPPED_PROBE, "probe: bug not present in this mlx-lm")
+                return
+            patcher = Patcher(spec.id, spec.targets, lambda rec=rec: rec.active)
+            rec.patcher = patcher
+            rec.active = True
+            try:
+                patch_module.apply(patcher)
+            except Exception as exc:
+                rec.active = False
+                patcher.revert()
+                rec.patcher = None
+                self._fail(rec, f"apply raised {type(exc).__name__}: {exc}", exc)
+                return
+            detail = evidence if isinstance(evidence, str) else "bug confirmed by probe"
+            self._set(rec, State.APPLIED, detail)
+            for module_name, thunk, target in patcher.deferred:
+                self._hook(
+                    module_name,
+                    lambda module, rec=rec, p=patcher, t=thunk, tg=target: self._deferred(rec, p, t, tg),
+                )
+
+    def _deferred(self, rec, patcher, thunk, target) -> None:
+        with self.lock:
+            if rec.patcher is not patcher or not rec.active:
+                return
+            try:
+                thunk()
+                patcher.deferred = [d for d in patcher.deferred if d[1] is not thunk]
+            except Exception as exc:
+                self._fail(rec, f"patching {target} raised {type(exc).__name__}: {exc}", exc)
+                rec.active = False
+                patcher.revert()
+
+    def _fail(self, rec, detail, exc) -> None:
+        self._set(rec, State.FAILED, detail)
+        rec.error = exc
+        if _strict() and not rec.raise_errors:
+            raise PatchError(f"patch {rec.spec.id!r} failed: {detail}") from exc
+        if not rec.raise_errors:
+            log.error("mlx-lm-patches: patch %r failed (mlx-lm left unpatched for it): %s",
+                      rec.spec.id, detail)
+
+    def _set(self, rec, state, detail) -> None:
+        rec.state, rec.detail = state, detail
+        log.debug("mlx-lm-patches: %s -> %s (%s)", rec.spec.id, state.value, detail)
+
+    # -- revert -----------------------------------------------------------------------------
+    def revert(self, ids=None) -> List[PatchStatus]:
+        chosen = self._resolve_ids(ids, "revert")
+        with self.lock:
+            for pid in chosen:
+                rec = self.records[pid]
+                if rec.state not in (State.APPLIED, State.PENDING):
+                    continue
+                rec.active = False  # soft-disables wrappers that others may have copied
+                notes = rec.patcher.revert() if rec.patcher else []
+                rec.patcher = None
+                self._set(rec, State.REVERTED, "; ".join(notes) or "original objects restored")
+        return [self.row(pid) for pid in chosen]
+
+    # -- status -----------------------------------------------------------------------------
+    def row(self, pid: str) -> PatchStatus:
+        rec = self.records[pid]
+        with self.lock:
+            state, detail = rec.state.value, rec.detail
+            if rec.state is State.APPLIED and rec.patcher is not None:
+                moved = rec.patcher.in_place()
+                if moved:
+                    detail += f"; replaced by someone else since: {', '.join(moved)}"
+                waiting = [d[2] for d in rec.patcher.deferred]
+                if waiting:
+                    detail += f"; waiting for import: {', '.join(waiting)}"
+        spec = rec.spec
+        return PatchStatus(
+            id=spec.id,
+            summary=spec.summary,
+            affected=str(spec.affected),
+            fixed_in=str(spec.fixed_in) if spec.fixed_in else None,
+            state=state,
+            detail=detail,
+            targets=list(spec.targets),
+            upstream=list(spec.upstream),
+        )
+
+    def rows(self) -> List[PatchStatus]:
+        return [self.row(pid) for pid in self.records]
+
+    def is_active(self, pid: str) -> bool:
+        return self.records[pid].active
+
+
+def _strict() -> bool:
+    try:
+        return env.flag(env.STRICT)
+    except env.EnvError:
+        return False
+
+
+_engine: Optional[Engine] = None
+_engine_lock = threading.Lock()
+
+
+def get() -> Engine:
+    global _engine
+    with _engine_lock:
+        if _engine is None:
+            _configure_logging()
+            _engine = Engine(matrix.load())
+        return _engine
+
+
+def _configure_logging() -> None:
+    try:
+        debug = env.flag(env.DEBUG)
+    except env.EnvError as exc:
+        log.warning("mlx-lm-patches: %s", exc)
+        debug = False
+    if debug and not any(getattr(h, "_mlx_lm_patches", False) for h in log.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        handler._mlx_lm_patches = True
+        log.addHandler(handler)
+        log.setLevel(logging.DEBUG)
+
+
+def auto_activate(source: str, late: bool) -> None:
+    """Called by the bootstrap when ``mlx_lm`` is first looked up (or at once if already imported)."""
+    eng = get()
+    with eng.lock:
+        if eng.activation is None:
+            eng.activation = source
+    if late:
+        log.warning(
+            "mlx-lm-patches: mlx_lm was imported before activation (%s); patches apply now, "
+            "but copies that modules already took with `from x import y` of replaced (not "
+            "wrapped) objects stay unpatched", source,
+        )
+    log.debug("mlx-lm-patches: automatic activation via %s, mlx-lm %s, mlx %s",
+              source, eng.mlx_lm.describe(), eng.mlx.describe())
+    eng.request(None, raise_errors=False, import_anchors=late)
+
+
+def apply(only=None, exclude=None) -> List[PatchStatus]:
+    """Apply every patch whose version range includes the installed mlx-lm and whose probe
+    confirms the bug (``only``/``exclude``: patch ids). Idempotent. Imports the modules the
+    patches anchor on (so mlx-lm gets imported). Raises :class:`PatchError` if a patch fails,
+    ``ValueError`` for unknown ids or malformed environment variables."""
+    eng = get()
+    late = "mlx_lm" in sys.modules
+    with eng.lock:
+        if eng.activation is None:
+            eng.activation = "explicit"
+            if late:
+                log.warning(
+                    "mlx-lm-patches: apply() after mlx_lm was imported: copies that modules "
+                    "already took with `from x import y` of replaced (not wrapped) objects "
+                    "stay unpatched; import mlx_lm_patches and apply() first, or rely on the "
+                    "automatic activation"
+                )
+    return eng.request(only, exclude=exclude, raise_errors=True, import_anchors=True)
+
+
+def revert(ids=None) -> List[PatchStatus]:
+    """Restore the original objects of the given (default: all) patches."""
+    return get().revert(ids)
+
+
+def status() -> List[PatchStatus]:
+    return get().rows()

@@ -1,0 +1,177 @@
+"""``compat_matrix.yaml``: the single source of truth for which patch applies to which mlx-lm.
+
+The file ships inside the wheel (``mlx_lm_patches/compat_matrix.yaml``); in a source checkout
+it is the one at the repository root. It is read and validated without importing mlx-lm.
+"""
+
+import functools
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Tuple
+
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.version import InvalidVersion, Version
+
+_ID = re.compile(r"^[a-z][a-z0-9]*(-[a-z0-9]+)*$")
+_TARGET = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+
+
+class MatrixError(ValueError):
+    """compat_matrix.yaml is malformed."""
+
+
+@dataclass(frozen=True)
+class PatchSpec:
+    id: str
+    summary: str
+    affected: SpecifierSet
+    fixed_in: Optional[Version]
+    upstream: Tuple[str, ...]
+    targets: Tuple[str, ...]
+    probe: str
+    metal_note: Optional[str] = None
+
+    @property
+    def module_name(self) -> str:
+        return "mlx_lm_patches.patches." + self.id.replace("-", "_")
+
+    @property
+    def anchor(self) -> str:
+        """The module whose import decides this patch (the first target's module)."""
+        return self.targets[0].split(":")[0]
+
+    def target_modules(self) -> Tuple[str, ...]:
+        return tuple(dict.fromkeys(t.split(":")[0] for t in self.targets))
+
+    def affects(self, version: Version) -> bool:
+        return self.affected.contains(version, prereleases=True)
+
+
+@dataclass(frozen=True)
+class TestedVersion:
+    mlx_lm: str
+    mlx: str
+    python: str
+
+    @property
+    def name(self) -> str:
+        return f"mlx-lm-{self.mlx_lm}_mlx-{self.mlx}_py{self.python}"
+
+
+@dataclass(frozen=True)
+class Matrix:
+    supported: SpecifierSet
+    tested_versions: Tuple[TestedVersion, ...]
+    patches: Tuple[PatchSpec, ...]
+    path: Path = field(compare=False)
+
+    def get(self, patch_id: str) -> PatchSpec:
+        for spec in self.patches:
+            if spec.id == patch_id:
+                return spec
+        raise KeyError(
+            f"unknown patch id {patch_id!r}; known: {', '.join(self.ids()) or '(none)'}"
+        )
+
+    def ids(self) -> Tuple[str, ...]:
+        return tuple(spec.id for spec in self.patches)
+
+
+def default_path() -> Path:
+    here = Path(__file__).resolve().parent
+    shipped = here / "compat_matrix.yaml"
+    if shipped.is_file():
+        return shipped
+    source_tree = here.parent / "compat_matrix.yaml"
+    if source_tree.is_file():
+        return source_tree
+    raise MatrixError(f"compat_matrix.yaml not found beside {here} nor in {here.parent}")
+
+
+@functools.lru_cache(maxsize=None)
+def load(path: Optional[str] = None) -> Matrix:
+    import yaml
+
+    p = Path(path) if path else default_path()
+    try:
+        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        raise MatrixError(f"{p}: not valid YAML: {exc}") from None
+    return parse(data, p)
+
+
+def parse(data, path: Path) -> Matrix:
+    where = str(path)
+    if not isinstance(data, dict) or data.get("schema") != 1:
+        raise MatrixError(f"{where}: expected a mapping with 'schema: 1'")
+    supported = _specifier(data.get("supported", ""), f"{where}: supported")
+    tested = tuple(_tested(row, f"{where}: tested_versions[{i}]")
+                   for i, row in enumerate(data.get("tested_versions") or ()))
+    patches = tuple(_patch(row, f"{where}: patches[{i}]")
+                    for i, row in enumerate(data.get("patches") or ()))
+    ids = [p.id for p in patches]
+    duplicates = sorted({i for i in ids if ids.count(i) > 1})
+    if duplicates:
+        raise MatrixError(f"{where}: duplicate patch ids {duplicates}")
+    return Matrix(supported, tested, patches, path)
+
+
+def _specifier(text, where) -> SpecifierSet:
+    try:
+        return SpecifierSet(str(text))
+    except InvalidSpecifier:
+        raise MatrixError(f"{where}: {text!r} is not a PEP 440 specifier") from None
+
+
+def _tested(row, where) -> TestedVersion:
+    if not isinstance(row, dict) or set(row) != {"mlx_lm", "mlx", "python"}:
+        raise MatrixError(f"{where}: expected keys mlx_lm, mlx, python; got {row!r}")
+    for key in ("mlx_lm", "mlx"):
+        try:
+            Version(str(row[key]))
+        except InvalidVersion:
+            raise MatrixError(f"{where}: {key}={row[key]!r} is not a version") from None
+    return TestedVersion(str(row["mlx_lm"]), str(row["mlx"]), str(row["python"]))
+
+
+_PATCH_KEYS = {"id", "summary", "affected", "fixed_in", "upstream", "targets", "probe"}
+_OPTIONAL_KEYS = {"metal_note"}
+
+
+def _patch(row, where) -> PatchSpec:
+    if not isinstance(row, dict):
+        raise MatrixError(f"{where}: expected a mapping")
+    missing = _PATCH_KEYS - set(row)
+    unknown = set(row) - _PATCH_KEYS - _OPTIONAL_KEYS
+    if missing or unknown:
+        raise MatrixError(
+            f"{where}: missing keys {sorted(missing)}, unknown keys {sorted(unknown)}"
+        )
+    pid = str(row["id"])
+    where = f"{where} ({pid})"
+    if not _ID.match(pid):
+        raise MatrixError(f"{where}: id must be kebab-case (a-z, 0-9, '-')")
+    targets = tuple(row["targets"] or ())
+    bad = [t for t in targets if not isinstance(t, str) or not _TARGET.match(t)]
+    if not targets or bad:
+        raise MatrixError(f"{where}: targets must be non-empty 'module:qualname' strings; bad: {bad}")
+    fixed_in = row["fixed_in"]
+    if fixed_in is not None:
+        try:
+            fixed_in = Version(str(fixed_in))
+        except InvalidVersion:
+            raise MatrixError(f"{where}: fixed_in={fixed_in!r} is not a version") from None
+    affected = _specifier(row["affected"], f"{where}: affected")
+    if fixed_in is not None and affected.contains(fixed_in, prereleases=True):
+        raise MatrixError(f"{where}: fixed_in {fixed_in} lies inside affected {affected}")
+    return PatchSpec(
+        id=pid,
+        summary=str(row["summary"]),
+        affected=affected,
+        fixed_in=fixed_in,
+        upstream=tuple(str(u) for u in row["upstream"] or ()),
+        targets=targets,
+        probe=str(row["probe"]),
+        metal_note=row.get("metal_note"),
+    )

@@ -1,0 +1,63 @@
+"""Building blocks for patch scenarios: run what a user runs, compare with the reference path.
+
+The reference is single-sequence greedy decoding with a cold prefill through mlx-lm's own
+``generate_step``. "Exact" means the same greedy tokens and log-probabilities within
+:data:`LOGPROB_TOLERANCE` (CPU, float32).
+"""
+
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+LOGPROB_TOLERANCE = 1e-4
+
+
+@dataclass
+class Outcome:
+    ok: bool
+    summary: str
+    details: List[str] = field(default_factory=list)
+
+    @classmethod
+    def failure(cls, summary: str, exc: Optional[BaseException] = None, details=()):
+        text = summary if exc is None else f"{summary}: {type(exc).__name__}: {exc}"
+        return cls(False, text, list(details))
+
+
+@dataclass
+class Decoded:
+    tokens: List[int]
+    logprobs: list  # mx.array rows, one per generated token
+
+    def compare(self, other: "Decoded") -> Optional[str]:
+        """``None`` if ``other`` is exact against this reference, else what differs."""
+        import mlx.core as mx
+
+        if self.tokens != other.tokens:
+            return f"tokens differ: reference {self.tokens}, got {other.tokens}"
+        worst = 0.0
+        for ref, got in zip(self.logprobs, other.logprobs):
+            worst = max(worst, mx.abs(ref.astype(mx.float32) - got.astype(mx.float32)).max().item())
+        if worst > LOGPROB_TOLERANCE:
+            return f"log-probabilities differ by {worst:.3g} (> {LOGPROB_TOLERANCE})"
+        return None
+
+
+def greedy(model, prompt, max_tokens=8, prompt_cache=None) -> Decoded:
+    """Greedy decoding through mlx-lm's ``generate_step`` (the reference path)."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    tokens, logprobs = [], []
+    steps = generate_step(
+        mx.array(prompt), model, max_tokens=max_tokens, prompt_cache=prompt_cache
+    )
+    for token, lp in steps:
+        tokens.append(int(token))
+        logprobs.append(lp)
+    mx.eval(logprobs)
+    return Decoded(tokens, logprobs)
+
+
+def prompt_tokens(n=12, vocab=256, seed=0) -> List[int]:
+    """A deterministic prompt of ``n`` token ids below ``vocab``."""
+    return [(seed * 7919 + i * 37 + 11) % (vocab - 4) + 1 for i in range(n)]
