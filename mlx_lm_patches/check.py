@@ -6,7 +6,6 @@ patch skipped because the installed release or the probe says the bug is absent,
 scenario on stock mlx-lm (must be correct). The report says, per patch, whether the fix holds.
 """
 
-import importlib
 import time
 from dataclasses import dataclass
 from typing import List, Optional
@@ -37,7 +36,7 @@ def _run(module) -> Outcome:
 def check_patch(eng: engine.Engine, pid: str) -> CheckResult:
     start = time.perf_counter()
     rec = eng.records[pid]
-    module = importlib.import_module(rec.spec.module_name)
+    module = eng.patch_module(pid)
     state = rec.state
     without = with_patch = None
     if state is State.APPLIED:

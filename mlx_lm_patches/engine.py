@@ -67,13 +67,18 @@ class _Record:
 
 
 class Engine:
-    def __init__(self, the_matrix: matrix.Matrix):
+    def __init__(self, the_matrix: matrix.Matrix, patch_package: str = matrix.PATCH_PACKAGE,
+                 installed: Optional[versions.InstalledDist] = None):
         self.matrix = the_matrix
+        self.patch_package = patch_package
         self.lock = threading.RLock()
         self.records: Dict[str, _Record] = {s.id: _Record(s) for s in the_matrix.patches}
         self.activation: Optional[str] = None
-        self.mlx_lm = versions.mlx_lm()
+        self.mlx_lm = installed or versions.mlx_lm()
         self.mlx = versions.mlx()
+
+    def patch_module(self, pid: str):
+        return importlib.import_module(self.records[pid].spec.module_in(self.patch_package))
 
     # -- selection --------------------------------------------------------------------------
     def _resolve_ids(self, ids: Optional[Iterable[str]], what: str) -> List[str]:
@@ -180,7 +185,7 @@ class Engine:
                 return  # reverted or decided meanwhile
             spec = rec.spec
             try:
-                patch_module = importlib.import_module(spec.module_name)
+                patch_module = self.patch_module(spec.id)
                 evidence = patch_module.probe()
             except Exception as exc:
                 self._fail(rec, f"probe raised {type(exc).__name__}: {exc}", exc)

@@ -17,6 +17,9 @@ _ID = re.compile(r"^[a-z][a-z0-9]*(-[a-z0-9]+)*$")
 _TARGET = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 
 
+PATCH_PACKAGE = "mlx_lm_patches.patches"
+
+
 class MatrixError(ValueError):
     """compat_matrix.yaml is malformed."""
 
@@ -34,7 +37,10 @@ class PatchSpec:
 
     @property
     def module_name(self) -> str:
-        return "mlx_lm_patches.patches." + self.id.replace("-", "_")
+        return self.module_in(PATCH_PACKAGE)
+
+    def module_in(self, package: str) -> str:
+        return f"{package}.{self.id.replace('-', '_')}"
 
     @property
     def anchor(self) -> str:

@@ -61,3 +61,33 @@ def greedy(model, prompt, max_tokens=8, prompt_cache=None) -> Decoded:
 def prompt_tokens(n=12, vocab=256, seed=0) -> List[int]:
     """A deterministic prompt of ``n`` token ids below ``vocab``."""
     return [(seed * 7919 + i * 37 + 11) % (vocab - 4) + 1 for i in range(n)]
+
+
+def prefill(model, tokens, cache):
+    """Run ``tokens`` through ``model`` into ``cache`` (one forward pass), evaluated."""
+    import mlx.core as mx
+
+    model(mx.array(tokens)[None], cache=cache)
+    mx.eval([c.state for c in cache])
+
+
+def round_trip_prompt_cache(model, prompt, make_cache=None, max_tokens=6) -> Optional[str]:
+    """Prefill all but the last prompt token, save the prompt cache to a file, load it back and
+    decode greedily from the last token. ``None`` if that equals the cold reference exactly,
+    else what differs. ``make_cache(model)`` builds the cache (default: mlx-lm's own)."""
+    import os
+    import tempfile
+
+    from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_prompt_cache
+
+    reference = greedy(model, prompt, max_tokens=max_tokens)
+    cache = (make_cache or make_prompt_cache)(model)
+    prefill(model, prompt[:-1], cache)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "prompt_cache.safetensors")
+        save_prompt_cache(path, cache)
+        loaded = load_prompt_cache(path)
+    kinds = [type(c).__name__ for c in loaded], [type(c).__name__ for c in cache]
+    if kinds[0] != kinds[1]:
+        return f"loaded cache classes {kinds[0]} differ from saved {kinds[1]}"
+    return reference.compare(greedy(model, prompt[-1:], max_tokens=max_tokens, prompt_cache=loaded))

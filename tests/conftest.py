@@ -1,0 +1,86 @@
+"""Shared fixtures: the installed versions, the matrix, and fresh-interpreter runners.
+
+The suite runs against the *installed* package (tools/run_matrix.py installs the wheel
+non-editable into one venv per tested mlx-lm release), so the real ``.pth`` is exercised.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+# No hub access, ever: every model in the suite is built locally.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+
+
+@dataclass
+class Ran:
+    returncode: int
+    stdout: str
+    stderr: str
+
+    def json(self):
+        return json.loads(self.stdout)
+
+
+def clean_env(**overrides):
+    """The current environment without our variables, plus ``overrides`` (None removes)."""
+    from mlx_lm_patches import env as ours
+
+    environ = {k: v for k, v in os.environ.items() if k not in ours.ALL_VARIABLES}
+    environ.pop("PYTHONPATH", None)
+    environ["HF_HUB_OFFLINE"] = "1"
+    for key, value in overrides.items():
+        if value is None:
+            environ.pop(key, None)
+        else:
+            environ[key] = value
+    return environ
+
+
+def run_python(code="", *args, env=None, timeout=300, python=None, cwd=None):
+    """Run ``python -c code`` (or ``python *args``) in a fresh interpreter of this venv."""
+    argv = [python or sys.executable]
+    argv += ["-c", textwrap.dedent(code)] if code else []
+    argv += list(args)
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
+                          env=clean_env(**(env or {})), cwd=cwd or "/")
+    return Ran(proc.returncode, proc.stdout, proc.stderr)
+
+
+@pytest.fixture(scope="session")
+def the_matrix():
+    from mlx_lm_patches import matrix
+
+    return matrix.load()
+
+
+@pytest.fixture(scope="session")
+def mlx_lm_version():
+    from mlx_lm_patches import versions
+
+    return versions.mlx_lm().parsed
+
+
+def affected(patch_id):
+    """Whether compat_matrix.yaml says the installed mlx-lm has the bug ``patch_id`` fixes."""
+    from mlx_lm_patches import matrix, versions
+
+    return matrix.load().get(patch_id).affects(versions.mlx_lm().parsed)
+
+
+def xfail_if_affected(patch_id, reason=""):
+    """Strict xfail where the matrix says affected: an upstream fix makes the test XPASS,
+    which fails the run and forces the range in compat_matrix.yaml to be narrowed."""
+    return pytest.mark.xfail(
+        affected(patch_id), strict=True,
+        reason=reason or f"compat_matrix.yaml: {patch_id} affects this mlx-lm (stock is broken)",
+    )

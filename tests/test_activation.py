@@ -1,0 +1,268 @@
+"""Automatic activation in fresh interpreters: the installed .pth, sitecustomize, `run`, the
+environment variables, late activation, fault containment and interpreter start cost."""
+
+import os
+import re
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, affected, run_python
+
+pytestmark = pytest.mark.subprocess
+
+TESTS = str(REPO / "tests")
+SITE = sysconfig.get_paths()["purelib"]
+
+
+def test_package_is_installed_with_its_pth():
+    if os.environ.get("MLX_LM_PATCHES_EXPECT_INSTALLED") != "1":
+        pytest.skip("not running from tools/run_matrix.py")
+    import mlx_lm_patches
+
+    assert Path(mlx_lm_patches.__file__).resolve().is_relative_to(Path(SITE).resolve())
+    assert (Path(SITE) / "mlx_lm_patches.pth").is_file()
+    assert (Path(SITE) / "mlx_lm_patches.start").read_text().strip() == "mlx_lm_patches._boot:start"
+
+
+def test_interpreter_start_is_cheap_and_lazy():
+    ran = run_python("""
+        import sys
+        heavy = [m for m in ("wrapt", "yaml", "packaging", "importlib.metadata", "mlx_lm",
+                             "mlx_lm_patches.engine", "mlx_lm_patches.matrix") if m in sys.modules]
+        print(heavy, "mlx_lm_patches._boot" in sys.modules)
+    """)
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.split() == ["[]", "True"], ran.stdout
+    assert ran.stderr == ""
+
+
+def _our_import_microseconds(stderr):
+    total = 0
+    for line in stderr.splitlines():
+        m = re.match(r"import time:\s+(\d+)\s+\|\s+\d+\s+\|\s+(\s*)(\S+)", line)
+        if m and m.group(3).split(".")[0] in ("mlx_lm_patches", "wrapt"):
+            total += int(m.group(1))
+    return total
+
+
+def test_importtime_under_one_millisecond():
+    best = min(_our_import_microseconds(run_python("pass", env={"PYTHONPROFILEIMPORTTIME": "1"}).stderr)
+               for _ in range(5))
+    ran = run_python("pass", env={"PYTHONPROFILEIMPORTTIME": "1"})
+    assert "wrapt" not in ran.stderr
+    assert "mlx_lm_patches" in ran.stderr, "the .pth did not run"
+    assert best < 1000, f"our modules cost {best} us at interpreter start"
+
+
+def test_automatic_activation_without_apply_and_nothing_on_stdout():
+    ran = run_python("""
+        import mlx_lm
+        from mlx_lm_patches import _boot
+        import child
+        print(_boot.armed_by(), child.states(), file=__import__("sys").stderr)
+    """, env={"PYTHONPATH": TESTS})
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout == ""
+    assert "pth" in ran.stderr
+    if affected("mamba-cache-compat"):
+        assert "'mamba-cache-compat': 'applied'" in ran.stderr
+
+
+def test_pth_runs_twice_but_applies_once():
+    ran = run_python(f"""
+        import site, sys
+        site.addsitedir({SITE!r})      # re-runs every .pth line in site-packages, ours included
+        exec(open({SITE!r} + "/mlx_lm_patches.pth").read())  # and once more by hand
+        from mlx_lm_patches import _boot
+        finders = [f for f in sys.meta_path if type(f).__name__ == "_MlxLmImportFinder"]
+        import mlx_lm.models.cache
+        import child
+        print(len(finders), child.assert_not_double_wrapped())
+    """, env={"PYTHONPATH": TESTS})
+    assert ran.returncode == 0, ran.stderr
+    n_finders, n_ours = ran.stdout.split()
+    assert n_finders == "1"
+    if affected("mamba-cache-compat"):
+        assert int(n_ours) >= 1
+
+
+@pytest.mark.parametrize("value", ["0", "off", "False"])
+def test_env_off_leaves_mlx_lm_untouched(value):
+    ran = run_python("""
+        import sys, mlx_lm.models.cache
+        import child
+        print("mlx_lm_patches._boot" in sys.modules, "wrapt" in sys.modules, child.assert_not_double_wrapped())
+    """, env={"MLX_LM_PATCHES": value, "PYTHONPATH": TESTS})
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.split() == ["False", "False", "0"]
+
+
+def test_env_malformed_enabled_says_so_and_import_works():
+    ran = run_python("import mlx_lm.models.cache", env={"MLX_LM_PATCHES": "maybe"})
+    assert ran.returncode == 0
+    assert "MLX_LM_PATCHES='maybe' is not understood" in ran.stderr
+    assert ran.stdout == ""
+
+
+def test_env_disable_unknown_id_warns_and_others_apply():
+    ran = run_python("""
+        import mlx_lm.models.cache, child, sys
+        print(child.states(), file=sys.stderr)
+    """, env={"MLX_LM_PATCHES_DISABLE": "no-such-patch", "PYTHONPATH": TESTS})
+    assert ran.returncode == 0, ran.stderr
+    assert "MLX_LM_PATCHES_DISABLE names unknown patch id(s) 'no-such-patch'" in ran.stderr
+    if affected("mamba-cache-compat"):
+        assert "'mamba-cache-compat': 'applied'" in ran.stderr
+
+
+def test_env_disable_malformed_and_explicit_apply_raises():
+    ran = run_python("""
+        import mlx_lm_patches
+        mlx_lm_patches.apply()
+    """, env={"MLX_LM_PATCHES_DISABLE": "*,mamba-cache-compat", "MLX_LM_PATCHES": "0"})
+    assert ran.returncode != 0
+    assert "MLX_LM_PATCHES_DISABLE='*,mamba-cache-compat' mixes '*'" in ran.stderr
+
+
+def test_env_disable_star_disables_everything():
+    ran = run_python("""
+        import mlx_lm.models.cache, child, sys
+        print(sorted(set(child.states().values())))
+    """, env={"MLX_LM_PATCHES_DISABLE": "*", "PYTHONPATH": TESTS})
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.strip() == "['disabled']"
+
+
+def test_debug_logs_decisions_to_stderr():
+    ran = run_python("import mlx_lm.models.cache", env={"MLX_LM_PATCHES_DEBUG": "1"})
+    assert ran.returncode == 0
+    assert "automatic activation via pth" in ran.stderr
+    assert "mamba-cache-compat ->" in ran.stderr
+    assert ran.stdout == ""
+
+
+FAULT = """
+    import mlx_lm_patches.patches.mamba_cache_compat as patch
+    def boom(*args):
+        raise RuntimeError("injected fault")
+    patch.{which} = boom
+    import mlx_lm
+    from mlx_lm.models import cache
+    import mlx_lm_patches
+    print(mlx_lm_patches.status()[0].state)
+"""
+
+
+@pytest.mark.parametrize("which", ["probe", "apply"])
+def test_injected_fault_leaves_import_working(which):
+    if not affected("mamba-cache-compat"):
+        pytest.skip("patch not in range here")
+    ran = run_python(FAULT.format(which=which))
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.strip() == "failed"
+    assert "mamba-cache-compat" in ran.stderr and "injected fault" in ran.stderr
+
+
+@pytest.mark.parametrize("which", ["probe", "apply"])
+def test_injected_fault_strict_fails_the_import(which):
+    if not affected("mamba-cache-compat"):
+        pytest.skip("patch not in range here")
+    ran = run_python(FAULT.format(which=which), env={"MLX_LM_PATCHES_STRICT": "1"})
+    assert ran.returncode != 0
+    assert "PatchError" in ran.stderr and "injected fault" in ran.stderr
+
+
+def test_injected_fault_explicit_apply_raises():
+    if not affected("mamba-cache-compat"):
+        pytest.skip("patch not in range here")
+    ran = run_python(FAULT.format(which="probe").replace("import mlx_lm\n", "mlx_lm_patches.apply()\n")
+                     .replace("    import mlx_lm_patches.patches", "    import mlx_lm_patches\n    import mlx_lm_patches.patches"),
+                     env={"MLX_LM_PATCHES": "0"})
+    assert ran.returncode != 0
+    assert "PatchError: patch 'mamba-cache-compat' failed: probe raised RuntimeError: injected fault" in ran.stderr
+
+
+def test_late_activation_applies_and_warns():
+    ran = run_python("""
+        import mlx_lm
+        import mlx_lm_patches, sys
+        rows = mlx_lm_patches.apply()
+        print({r.id: r.state for r in rows}, file=sys.stderr)
+    """, env={"MLX_LM_PATCHES": "0"})
+    assert ran.returncode == 0, ran.stderr
+    assert "apply() after mlx_lm was imported" in ran.stderr
+    if affected("mamba-cache-compat"):
+        assert "'mamba-cache-compat': 'applied'" in ran.stderr
+
+
+def _bare_venv(tmp_path):
+    """A venv that sees mlx-lm and our package through PYTHONPATH only: no .pth is processed."""
+    import subprocess
+
+    venv = tmp_path / "bare"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    return str(venv / "bin" / "python")
+
+
+PROBE_CHILD = """
+    import json, os, subprocess, sys
+    import mlx_lm.models.cache as cache
+    from mlx_lm_patches import _boot
+    out = {"armed_by": _boot.armed_by(), "user_site": getattr(__import__("builtins"), "_user_sitecustomize_ran", False)}
+    if len(sys.argv) > 1:
+        child = subprocess.run([sys.executable, "-c", "import mlx_lm; from mlx_lm_patches import _boot; print(_boot.armed_by())"],
+                               capture_output=True, text=True)
+        out["child_armed_by"] = child.stdout.strip()
+    print(json.dumps(out))
+"""
+
+
+def test_sitecustomize_launcher_activates_and_chains_user_sitecustomize(tmp_path):
+    python = _bare_venv(tmp_path)
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "sitecustomize.py").write_text("import builtins\nbuiltins._user_sitecustomize_ran = True\n")
+    script = tmp_path / "probe_child.py"
+    script.write_text(__import__("textwrap").dedent(PROBE_CHILD))
+    pythonpath = os.pathsep.join([str(user), SITE])
+    launcher = str(Path(sys.executable).parent / "mlx-lm-patches-run")
+
+    control = run_python(None, str(script), python=python, env={"PYTHONPATH": pythonpath})
+    assert control.returncode == 0, control.stderr
+    assert control.json() == {"armed_by": None, "user_site": True}
+
+    launched = run_python(None, launcher, python, str(script), "children", python=sys.executable,
+                          env={"PYTHONPATH": pythonpath})
+    assert launched.returncode == 0, launched.stderr
+    assert launched.json() == {"armed_by": "sitecustomize", "user_site": True, "child_armed_by": "None"}
+
+    inherited = run_python(None, launcher, python, str(script), "children", python=sys.executable,
+                           env={"PYTHONPATH": pythonpath, "MLX_LM_PATCHES_CHILDREN": "1"})
+    assert inherited.json()["child_armed_by"] == "sitecustomize"
+
+
+def test_launcher_reports_missing_command():
+    launcher = str(Path(sys.executable).parent / "mlx-lm-patches-run")
+    ran = run_python(None, launcher, "no-such-command-xyz", python=sys.executable)
+    assert ran.returncode == 127 and "cannot run 'no-such-command-xyz'" in ran.stderr
+    ran = run_python(None, launcher, python=sys.executable)
+    assert ran.returncode == 2 and "usage" in ran.stderr
+
+
+def test_run_module_in_process_applies_first(tmp_path):
+    (tmp_path / "usermod.py").write_text(
+        "import sys\nfrom mlx_lm_patches import status\n"
+        "print(sys.argv[1:], {r.id: r.state for r in status()})\n"
+    )
+    ran = run_python(None, "-m", "mlx_lm_patches", "run", "-m", "usermod", "--flag", "x",
+                     env={"MLX_LM_PATCHES": "0", "PYTHONPATH": str(tmp_path)})
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.startswith("['--flag', 'x']")
+    if affected("mamba-cache-compat"):
+        assert "'mamba-cache-compat': 'applied'" in ran.stdout
+    script = run_python(None, "-m", "mlx_lm_patches", "run", str(tmp_path / "usermod.py"), "y",
+                        env={"MLX_LM_PATCHES": "0"})
+    assert script.returncode == 0 and script.stdout.startswith("['y']"), script.stderr

@@ -1,0 +1,330 @@
+"""Engine unit tests on a small fake package (no mlx-lm involved).
+
+Each test gets a freshly named fake library and patch package in a temporary directory, so
+post-import hooks, ``sys.modules`` and wrapt's hook registry never leak between tests.
+"""
+
+import itertools
+import sys
+import textwrap
+import threading
+
+import pytest
+
+from mlx_lm_patches import engine as engine_mod
+from mlx_lm_patches import matrix, versions
+from mlx_lm_patches.engine import Engine, PatchError, State
+from mlx_lm_patches.patching import installed_by
+
+_counter = itertools.count()
+
+LIB = {
+    "__init__.py": "",
+    "core.py": """
+        class Cache:
+            def __init__(self, size):
+                self.size = size
+
+            def trim(self, n):
+                return 0
+
+        def greet(name):
+            return "hello " + name
+    """,
+    "user.py": """
+        from {lib}.core import greet, Cache  # private copies, like mlx-lm's modules take
+    """,
+    "extra.py": """
+        def thing():
+            return "original"
+    """,
+}
+
+PATCHES = {
+    "__init__.py": "",
+    "trim_fix.py": """
+        import sys
+
+        def probe():
+            return "trim returns 0" if sys.modules["{lib}.core"].Cache(1).trim(1) == 0 else None
+
+        def apply(p):
+            p.wrap("{lib}.core:Cache.trim", lambda wrapped, instance, args, kwargs: args[0])
+
+        def scenario():
+            return None
+    """,
+    "greet_fix.py": """
+        def probe():
+            return True
+
+        def apply(p):
+            p.wrap("{lib}.core:greet", lambda wrapped, instance, args, kwargs: wrapped(*args).upper())
+    """,
+    "added_attr.py": """
+        def probe():
+            return True
+
+        def apply(p):
+            p.set("{lib}.core:NEW", 42)
+            p.set("{lib}.core:Cache.extra", lambda self: "extra")
+    """,
+    "absent_bug.py": """
+        def probe():
+            return False
+
+        def apply(p):
+            raise AssertionError("must not be called")
+    """,
+    "old_only.py": """
+        def probe():
+            raise AssertionError("must not be probed")
+
+        def apply(p):
+            raise AssertionError("must not be called")
+    """,
+    "broken_probe.py": """
+        def probe():
+            raise RuntimeError("probe exploded")
+
+        def apply(p):
+            pass
+    """,
+    "broken_apply.py": """
+        def probe():
+            return True
+
+        def apply(p):
+            p.set("{lib}.core:PARTIAL", 1)
+            raise RuntimeError("apply exploded")
+    """,
+    "undeclared.py": """
+        def probe():
+            return True
+
+        def apply(p):
+            p.set("{lib}.extra:thing", None)
+    """,
+    "deferred.py": """
+        def probe():
+            return True
+
+        def apply(p):
+            p.wrap("{lib}.extra:thing", lambda wrapped, instance, args, kwargs: "patched")
+    """,
+}
+
+MATRIX = """
+schema: 1
+supported: ">=1.0"
+tested_versions: []
+patches:
+  - {{id: trim-fix, summary: s, affected: ">=1.0", fixed_in: null, upstream: [], targets: ["{lib}.core:Cache.trim"], probe: p}}
+  - {{id: greet-fix, summary: s, affected: ">=1.0", fixed_in: null, upstream: [], targets: ["{lib}.core:greet"], probe: p}}
+  - {{id: added-attr, summary: s, affected: ">=1.0", fixed_in: null, upstream: [], targets: ["{lib}.core:NEW", "{lib}.core:Cache.extra"], probe: p}}
+  - {{id: absent-bug, summary: s, affected: ">=1.0", fixed_in: null, upstream: [], targets: ["{lib}.core:Cache"], probe: p}}
+  - {{id: old-only, summary: s, affected: "<1.0", fixed_in: "1.0", upstream: [], targets: ["{lib}.core:Cache"], probe: p}}
+  - {{id: broken-probe, summary: s, affected: ">=1.0", fixed_in: null, upstream: [], targets: ["{lib}.core:Cache"], probe: p}}
+  - {{id: broken-apply, summary: s, affected: ">=1.0", fixed_in: null, upstream: [], targets: ["{lib}.core:PARTIAL"], probe: p}}
+  - {{id: undeclared, summary: s, affected: ">=1.0", fixed_in: null, upstream: [], targets: ["{lib}.core:Cache"], probe: p}}
+  - {{id: deferred, summary: s, affected: ">=1.0", fixed_in: null, upstream: [], targets: ["{lib}.core:Cache", "{lib}.extra:thing"], probe: p}}
+"""
+
+OK_IDS = ["trim-fix", "greet-fix", "added-attr"]
+
+
+class Fake:
+    def __init__(self, tmp_path, monkeypatch, version="1.2"):
+        n = next(_counter)
+        self.lib, self.pkg = f"fakelib{n}", f"fakepatches{n}"
+        for package, files in ((self.lib, LIB), (self.pkg, PATCHES)):
+            (tmp_path / package).mkdir()
+            for name, text in files.items():
+                (tmp_path / package / name).write_text(textwrap.dedent(text.format(lib=self.lib)))
+        path = tmp_path / "compat_matrix.yaml"
+        path.write_text(MATRIX.format(lib=self.lib))
+        monkeypatch.syspath_prepend(str(tmp_path))
+        for var in ("MLX_LM_PATCHES_DISABLE", "MLX_LM_PATCHES_STRICT"):
+            monkeypatch.delenv(var, raising=False)
+        self.engine = Engine(matrix.load(str(path)), patch_package=self.pkg,
+                             installed=versions.InstalledDist("fakelib", version))
+
+    def module(self, name):
+        __import__(f"{self.lib}.{name}")
+        return sys.modules[f"{self.lib}.{name}"]
+
+    def state(self, pid):
+        return self.engine.records[pid].state
+
+
+@pytest.fixture
+def fake(tmp_path, monkeypatch):
+    return Fake(tmp_path, monkeypatch)
+
+
+def test_pending_until_anchor_import_then_applied_before_copies_are_taken(fake):
+    fake.engine.request(OK_IDS, import_anchors=False)
+    assert all(fake.state(i) is State.PENDING for i in OK_IDS)
+    user = fake.module("user")  # imports core; hooks fire before user copies greet
+    assert all(fake.state(i) is State.APPLIED for i in OK_IDS)
+    assert user.greet("x") == "HELLO X"
+    assert user.Cache(1).trim(3) == 3
+    assert fake.module("core").NEW == 42 and user.Cache(1).extra() == "extra"
+
+
+def test_explicit_request_imports_anchors_and_is_idempotent(fake):
+    fake.engine.request(OK_IDS)
+    core = sys.modules[f"{fake.lib}.core"]
+    wrapper = vars(core.Cache)["trim"]
+    fake.engine.request(OK_IDS)
+    fake.engine.request(["trim-fix"])
+    assert vars(core.Cache)["trim"] is wrapper
+    assert vars(core.Cache)["trim"].__wrapped__.__name__ == "trim"
+    assert not hasattr(vars(core.Cache)["trim"].__wrapped__, "__wrapped__"), "double wrapped"
+    assert installed_by(wrapper) == "trim-fix"
+
+
+def test_revert_restores_identity_and_soft_disables_copies(fake):
+    core = fake.module("core")
+    original_trim, original_greet = vars(core.Cache)["trim"], core.greet
+    fake.engine.request(OK_IDS)
+    user = fake.module("user")  # takes a copy of the wrapped greet
+    assert user.greet("a") == "HELLO A"
+    fake.engine.revert()
+    assert vars(core.Cache)["trim"] is original_trim
+    assert core.greet is original_greet
+    assert not hasattr(core, "NEW") and "extra" not in vars(core.Cache)
+    assert user.greet("a") == "hello a", "copy of a reverted wrapper must act as the original"
+    assert all(fake.state(i) is State.REVERTED for i in OK_IDS)
+    fake.engine.request(OK_IDS)  # re-apply
+    assert core.greet("b") == "HELLO B" and user.greet("b") == "HELLO B"
+    assert vars(core.Cache)["trim"].__wrapped__ is original_trim
+
+
+def test_revert_leaves_objects_others_installed_on_top(fake):
+    fake.engine.request(["greet-fix"])
+    core = sys.modules[f"{fake.lib}.core"]
+    theirs = lambda name: "theirs"  # noqa: E731
+    core.greet = theirs
+    rows = fake.engine.revert(["greet-fix"])
+    assert core.greet is theirs
+    assert "replaced by someone else" in rows[0].detail
+
+
+def test_version_gate_and_probe(fake):
+    fake.engine.request(["old-only", "absent-bug"])
+    assert fake.state("old-only") is State.SKIPPED_VERSION
+    assert "outside <1.0" in fake.engine.row("old-only").detail
+    assert "fixed in 1.0" in fake.engine.row("old-only").detail
+    assert fake.state("absent-bug") is State.SKIPPED_PROBE
+
+
+def test_prerelease_is_inside_the_range(tmp_path, monkeypatch):
+    fake = Fake(tmp_path, monkeypatch, version="0.9.dev0")
+    fake.engine.request(["old-only"], raise_errors=False)
+    assert fake.state("old-only") is State.FAILED  # probed (and its probe asserts): gate let it through
+
+
+def test_explicit_apply_raises_on_failures_and_leaves_nothing_behind(fake):
+    with pytest.raises(PatchError, match="broken-probe.*probe exploded"):
+        fake.engine.request(["broken-probe"])
+    with pytest.raises(PatchError, match="apply exploded"):
+        fake.engine.request(["broken-apply"])
+    assert not hasattr(sys.modules[f"{fake.lib}.core"], "PARTIAL"), "partial apply not rolled back"
+    with pytest.raises(PatchError, match="not under its targets"):
+        fake.engine.request(["undeclared"])
+    assert fake.state("broken-apply") is State.FAILED
+
+
+def test_automatic_mode_contains_failures(fake, caplog):
+    fake.engine.request(["broken-probe", "trim-fix"], raise_errors=False, import_anchors=False)
+    fake.module("core")  # the import must succeed
+    assert fake.state("broken-probe") is State.FAILED
+    assert fake.state("trim-fix") is State.APPLIED
+    assert "broken-probe" in caplog.text
+
+
+def test_strict_mode_raises_in_automatic_mode(fake, monkeypatch):
+    monkeypatch.setenv("MLX_LM_PATCHES_STRICT", "1")
+    fake.engine.request(["broken-probe"], raise_errors=False, import_anchors=False)
+    with pytest.raises(PatchError, match="probe exploded"):
+        fake.module("core")
+
+
+def test_disable_env_and_exclude(fake, monkeypatch):
+    monkeypatch.setenv("MLX_LM_PATCHES_DISABLE", "greet-fix")
+    fake.engine.request(OK_IDS, exclude=["added-attr"])
+    assert fake.state("greet-fix") is State.DISABLED
+    assert fake.state("added-attr") is State.DISABLED
+    assert fake.state("trim-fix") is State.APPLIED
+
+
+def test_disable_all(fake, monkeypatch):
+    monkeypatch.setenv("MLX_LM_PATCHES_DISABLE", "*")
+    fake.engine.request(OK_IDS)
+    assert all(fake.state(i) is State.DISABLED for i in OK_IDS)
+
+
+def test_unknown_ids_are_errors(fake, monkeypatch, caplog):
+    with pytest.raises(ValueError, match="unknown patch id.*'nope'"):
+        fake.engine.request(["nope"])
+    with pytest.raises(ValueError, match="exclude: unknown patch id"):
+        fake.engine.request(OK_IDS, exclude=["nope"])
+    monkeypatch.setenv("MLX_LM_PATCHES_DISABLE", "nope")
+    with pytest.raises(ValueError, match="MLX_LM_PATCHES_DISABLE names unknown patch id.*'nope'"):
+        fake.engine.request(OK_IDS)
+    fake.engine.request(OK_IDS, raise_errors=False)  # automatic mode: warn and go on
+    assert "MLX_LM_PATCHES_DISABLE names unknown" in caplog.text
+
+
+def test_deferred_targets_apply_when_their_module_is_imported(fake):
+    fake.engine.request(["deferred"])
+    assert fake.state("deferred") is State.APPLIED
+    assert "waiting for import" in fake.engine.row("deferred").detail
+    extra = fake.module("extra")
+    assert extra.thing() == "patched"
+    assert "waiting" not in fake.engine.row("deferred").detail
+    fake.engine.revert(["deferred"])
+    assert extra.thing() == "original"
+
+
+def test_revert_while_pending_cancels(fake):
+    fake.engine.request(["trim-fix"], import_anchors=False)
+    fake.engine.revert(["trim-fix"])
+    core = fake.module("core")
+    assert fake.state("trim-fix") is State.REVERTED
+    assert core.Cache(1).trim(2) == 0
+
+
+def test_status_reads_live_objects(fake):
+    fake.engine.request(["trim-fix"])
+    core = sys.modules[f"{fake.lib}.core"]
+    core.Cache.trim = lambda self, n: -1
+    assert "replaced by someone else since" in fake.engine.row("trim-fix").detail
+
+
+def test_concurrent_requests_apply_once(fake):
+    barrier = threading.Barrier(8)
+
+    def worker():
+        barrier.wait()
+        fake.engine.request(OK_IDS)
+
+    threads = [threading.Thread(target=worker) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    core = sys.modules[f"{fake.lib}.core"]
+    assert core.greet("z") == "HELLO Z"
+    assert len(fake.engine.records["greet-fix"].patcher.ops) == 1
+
+
+def test_public_api_is_lazy_and_complete():
+    import mlx_lm_patches
+
+    for name in mlx_lm_patches.__all__:
+        assert getattr(mlx_lm_patches, name) is not None
+    assert mlx_lm_patches.apply is engine_mod.apply
+    with pytest.raises(AttributeError):
+        mlx_lm_patches.nope

@@ -1,0 +1,52 @@
+"""The matrix is tested, not claimed: per patch, on the installed mlx-lm release,
+
+* with patches off (fresh interpreter, MLX_LM_PATCHES=0) the patch's scenario fails where
+  compat_matrix.yaml says the release is affected - a strict xfail, so an upstream fix XPASSes
+  and forces the range to be narrowed - and passes where it says unaffected;
+* with patches on, the engine's state agrees with the matrix and the scenario is exact.
+"""
+
+import pytest
+
+import mlx_lm_patches
+from conftest import affected, run_python, xfail_if_affected
+from mlx_lm_patches import matrix
+
+IDS = matrix.load().ids()
+
+
+@pytest.fixture(scope="module")
+def patched():
+    return {row.id: row for row in mlx_lm_patches.apply()}
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize("pid", [pytest.param(i, marks=xfail_if_affected(i)) for i in IDS])
+def test_stock_mlx_lm_passes_the_scenario_unless_affected(pid):
+    module = matrix.load().get(pid).module_name
+    ran = run_python(f"""
+        import importlib
+        outcome = importlib.import_module({module!r}).scenario()
+        print(outcome.ok)
+        print(outcome.summary)
+    """, env={"MLX_LM_PATCHES": "0"})
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    ok, summary = ran.stdout.split("\n", 1)
+    assert ok == "True", f"stock mlx-lm fails {pid}: {summary.strip()}"
+
+
+@pytest.mark.parametrize("pid", IDS)
+def test_engine_state_agrees_with_the_matrix(pid, patched):
+    row = patched[pid]
+    if affected(pid):
+        assert row.state == "applied", f"{pid}: {row.state} ({row.detail})"
+    else:
+        assert row.state == "skipped:version", f"{pid}: {row.state} ({row.detail})"
+
+
+@pytest.mark.parametrize("pid", IDS)
+def test_patched_scenario_is_exact(pid, patched):
+    import importlib
+
+    outcome = importlib.import_module(matrix.load().get(pid).module_name).scenario()
+    assert outcome.ok, outcome.summary

@@ -1,0 +1,100 @@
+"""compat_matrix.yaml: valid, and in agreement with the patch modules and the README table."""
+
+import ast
+import importlib
+import inspect
+from pathlib import Path
+
+import pytest
+from packaging.version import Version
+
+from mlx_lm_patches import matrix
+from mlx_lm_patches.__main__ import render_table
+
+REPO = Path(__file__).resolve().parent.parent
+PATCH_DIR = Path(matrix.__file__).resolve().parent / "patches"
+
+
+def test_shipped_matrix_is_the_repository_matrix(the_matrix):
+    source = REPO / "compat_matrix.yaml"
+    if source.is_file():  # running from a checkout: the wheel must carry the same file
+        assert the_matrix.path.read_text() == source.read_text()
+
+
+def test_every_patch_has_a_module_with_the_interface(the_matrix):
+    for spec in the_matrix.patches:
+        module = importlib.import_module(spec.module_name)
+        for name in ("probe", "apply", "scenario"):
+            assert callable(getattr(module, name, None)), f"{spec.module_name} lacks {name}()"
+        doc = inspect.getdoc(module) or ""
+        for section in ("Bug", "Fix", "Affected", "Upstream", "Retire"):
+            assert f"\n{section}\n" in f"\n{doc}\n", f"{spec.module_name} docstring lacks {section}"
+        assert spec.upstream, spec.id
+        assert all(u.startswith("https://") for u in spec.upstream), spec.id
+
+
+def test_every_patch_module_has_a_matrix_entry(the_matrix):
+    modules = {p.stem for p in PATCH_DIR.glob("*.py") if p.stem != "__init__"}
+    assert modules == {s.id.replace("-", "_") for s in the_matrix.patches}
+
+
+def test_patch_modules_only_declare_targets_under_their_entry(the_matrix):
+    """String targets passed to p.wrap/p.set in the source lie under the declared targets."""
+    for spec in the_matrix.patches:
+        source = (PATCH_DIR / f"{spec.id.replace('-', '_')}.py").read_text()
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("mlx_lm.") and ":" in node.value:
+                assert any(node.value == t or node.value.startswith(t + ".") for t in spec.targets), node.value
+
+
+def test_tested_versions_cover_the_supported_range(the_matrix):
+    tested = {Version(t.mlx_lm) for t in the_matrix.tested_versions}
+    required = {"0.28.4", "0.30.4", "0.30.5", "0.30.6", "0.30.7", "0.31.1", "0.31.2", "0.31.3", "0.32.0", "0.32.2"}
+    assert {Version(v) for v in required} <= tested
+    assert all(the_matrix.supported.contains(v) for v in tested)
+    newest = max(tested)
+    mlx_for_newest = {Version(t.mlx) for t in the_matrix.tested_versions if Version(t.mlx_lm) == newest}
+    assert len(mlx_for_newest) >= 2, "newest mlx-lm must be tested with its release-time and the newest mlx"
+    assert {t.python for t in the_matrix.tested_versions} >= {"3.10", "3.11", "3.12", "3.13"}
+
+
+def test_readme_table_is_generated_from_the_matrix(the_matrix):
+    readme = REPO / "README.md"
+    if not readme.is_file():
+        pytest.skip("README.md is not beside the tests (installed-only run)")
+    text = readme.read_text()
+    start, end = "<!-- patch-table:start -->", "<!-- patch-table:end -->"
+    assert start in text and end in text
+    table = text.split(start, 1)[1].split(end, 1)[0].strip()
+    assert table == render_table(the_matrix), "README table is stale: python -m mlx_lm_patches table"
+
+
+@pytest.mark.parametrize("mutate,message", [
+    (lambda d: d.update(schema=2), "schema: 1"),
+    (lambda d: d["patches"][0].update(id="Bad_Id"), "kebab-case"),
+    (lambda d: d["patches"][0].update(affected=">=zero"), "PEP 440"),
+    (lambda d: d["patches"][0].update(targets=["no_colon"]), "module:qualname"),
+    (lambda d: d["patches"][0].update(fixed_in="0.29.0", affected=">=0.28.4"), "inside affected"),
+    (lambda d: d["patches"][0].update(surprise=1), "unknown keys"),
+    (lambda d: d["patches"].append(dict(d["patches"][0])), "duplicate"),
+    (lambda d: d["tested_versions"].append({"mlx_lm": "x"}), "expected keys"),
+])
+def test_malformed_matrix_is_rejected_clearly(the_matrix, mutate, message):
+    import copy
+
+    import yaml
+
+    data = yaml.safe_load(the_matrix.path.read_text())
+    data = copy.deepcopy(data)
+    mutate(data)
+    with pytest.raises(matrix.MatrixError, match=message):
+        matrix.parse(data, Path("compat_matrix.yaml"))
+
+
+def test_ci_runs_the_readme_test_command():
+    readme, ci = REPO / "README.md", REPO / ".ci" / "run"
+    if not (readme.is_file() and ci.is_file()):
+        pytest.skip("not running from a checkout")
+    commands = [block.split("```", 1)[0].strip() for block in readme.read_text().split("```sh\n")[1:]]
+    test_command = next(c for c in commands if "run_matrix.py" in c)
+    assert test_command in ci.read_text().splitlines()
