@@ -16,7 +16,7 @@ import sys
 
 
 def _status(args) -> int:
-    from . import _boot, engine
+    from . import engine
 
     try:
         import mlx_lm  # noqa: F401  - triggers automatic activation, like a user's import
@@ -28,7 +28,7 @@ def _status(args) -> int:
         "mlx_lm_patches": _version(),
         "mlx_lm": eng.mlx_lm.describe(),
         "mlx": eng.mlx.describe(),
-        "activation": eng.activation or _why_inactive(_boot.armed_by()),
+        "activation": eng.activation or _why_inactive(armed_by()),
         "matrix": str(eng.matrix.path),
         "patches": [r.to_dict() for r in rows],
     }
@@ -45,6 +45,12 @@ def _status(args) -> int:
             if r.detail:
                 print(f"  {'':<{width}}  -> {r.detail}")
     return 1 if any(r.state == "failed" for r in rows) else 0
+
+
+def armed_by():
+    """How the bootstrap armed automatic activation in this process (``None``: not armed)."""
+    boot = sys.modules.get("_mlx_lm_patches_boot")
+    return boot.armed_by() if boot is not None else None
 
 
 def _why_inactive(armed_by) -> str:

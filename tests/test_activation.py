@@ -24,7 +24,7 @@ def test_package_is_installed_with_its_pth():
 
     assert Path(mlx_lm_patches.__file__).resolve().is_relative_to(Path(SITE).resolve())
     assert (Path(SITE) / "mlx_lm_patches.pth").is_file()
-    assert (Path(SITE) / "mlx_lm_patches.start").read_text().strip() == "mlx_lm_patches._boot:start"
+    assert (Path(SITE) / "mlx_lm_patches.start").read_text().strip() == "_mlx_lm_patches_boot:start"
 
 
 def test_interpreter_start_is_cheap_and_lazy():
@@ -32,7 +32,8 @@ def test_interpreter_start_is_cheap_and_lazy():
         import sys
         heavy = [m for m in ("wrapt", "yaml", "packaging", "importlib.metadata", "mlx_lm",
                              "mlx_lm_patches.engine", "mlx_lm_patches.matrix") if m in sys.modules]
-        print(heavy, "mlx_lm_patches._boot" in sys.modules)
+        heavy += [m for m in sys.modules if m.startswith("mlx_lm_patches")]
+        print(heavy, "_mlx_lm_patches_boot" in sys.modules)
     """)
     assert ran.returncode == 0, ran.stderr
     assert ran.stdout.split() == ["[]", "True"], ran.stdout
@@ -43,7 +44,7 @@ def _our_import_microseconds(stderr):
     total = 0
     for line in stderr.splitlines():
         m = re.match(r"import time:\s+(\d+)\s+\|\s+\d+\s+\|\s+(\s*)(\S+)", line)
-        if m and m.group(3).split(".")[0] in ("mlx_lm_patches", "wrapt"):
+        if m and m.group(3).split(".")[0] in ("mlx_lm_patches", "_mlx_lm_patches_boot", "wrapt"):
             total += int(m.group(1))
     return total
 
@@ -53,16 +54,16 @@ def test_importtime_under_one_millisecond():
                for _ in range(5))
     ran = run_python("pass", env={"PYTHONPROFILEIMPORTTIME": "1"})
     assert "wrapt" not in ran.stderr
-    assert "mlx_lm_patches" in ran.stderr, "the .pth did not run"
+    assert "_mlx_lm_patches_boot" in ran.stderr, "the .pth did not run"
     assert best < 1000, f"our modules cost {best} us at interpreter start"
 
 
 def test_automatic_activation_without_apply_and_nothing_on_stdout():
     ran = run_python("""
         import mlx_lm
-        from mlx_lm_patches import _boot
+        import _mlx_lm_patches_boot as boot
         import child
-        print(_boot.armed_by(), child.states(), file=__import__("sys").stderr)
+        print(boot.armed_by(), child.states(), file=__import__("sys").stderr)
     """, env={"PYTHONPATH": TESTS})
     assert ran.returncode == 0, ran.stderr
     assert ran.stdout == ""
@@ -76,7 +77,6 @@ def test_pth_runs_twice_but_applies_once():
         import site, sys
         site.addsitedir({SITE!r})      # re-runs every .pth line in site-packages, ours included
         exec(open({SITE!r} + "/mlx_lm_patches.pth").read())  # and once more by hand
-        from mlx_lm_patches import _boot
         finders = [f for f in sys.meta_path if type(f).__name__ == "_MlxLmImportFinder"]
         import mlx_lm.models.cache
         import child
@@ -94,7 +94,7 @@ def test_env_off_leaves_mlx_lm_untouched(value):
     ran = run_python("""
         import sys, mlx_lm.models.cache
         import child
-        print("mlx_lm_patches._boot" in sys.modules, "wrapt" in sys.modules, child.assert_not_double_wrapped())
+        print("_mlx_lm_patches_boot" in sys.modules, "wrapt" in sys.modules, child.assert_not_double_wrapped())
     """, env={"MLX_LM_PATCHES": value, "PYTHONPATH": TESTS})
     assert ran.returncode == 0, ran.stderr
     assert ran.stdout.split() == ["False", "False", "0"]
@@ -210,10 +210,10 @@ def _bare_venv(tmp_path):
 PROBE_CHILD = """
     import json, os, subprocess, sys
     import mlx_lm.models.cache as cache
-    from mlx_lm_patches import _boot
-    out = {"armed_by": _boot.armed_by(), "user_site": getattr(__import__("builtins"), "_user_sitecustomize_ran", False)}
+    from mlx_lm_patches.__main__ import armed_by
+    out = {"armed_by": armed_by(), "user_site": getattr(__import__("builtins"), "_user_sitecustomize_ran", False)}
     if len(sys.argv) > 1:
-        child = subprocess.run([sys.executable, "-c", "import mlx_lm; from mlx_lm_patches import _boot; print(_boot.armed_by())"],
+        child = subprocess.run([sys.executable, "-c", "import mlx_lm; from mlx_lm_patches.__main__ import armed_by; print(armed_by())"],
                                capture_output=True, text=True)
         out["child_armed_by"] = child.stdout.strip()
     print(json.dumps(out))

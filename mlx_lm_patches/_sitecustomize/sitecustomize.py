@@ -20,9 +20,17 @@ def _run():
                 os.environ["PYTHONPATH"] = os.pathsep.join(parts)
             else:
                 os.environ.pop("PYTHONPATH", None)
-        from mlx_lm_patches import _boot
+        try:
+            import _mlx_lm_patches_boot as boot
+        except ImportError:  # a source checkout: the wheel installs it top-level
+            import importlib.util
 
-        _boot.arm("sitecustomize")
+            path = os.path.join(os.path.dirname(here), "_activation", "_mlx_lm_patches_boot.py")
+            spec = importlib.util.spec_from_file_location("_mlx_lm_patches_boot", path)
+            boot = importlib.util.module_from_spec(spec)
+            sys.modules["_mlx_lm_patches_boot"] = boot
+            spec.loader.exec_module(boot)
+        boot.arm("sitecustomize")
     except Exception as exc:
         sys.stderr.write(f"mlx-lm-patches: sitecustomize activation failed: {exc!r}\n")
 
