@@ -41,6 +41,9 @@ def check_patch(eng: engine.Engine, pid: str) -> CheckResult:
     without = with_patch = None
     if state is State.APPLIED:
         with_patch = _run(module)
+        if with_patch.ok is None:
+            return CheckResult(pid, state.value, True, f"not applicable here: {with_patch.summary}",
+                               None, with_patch, time.perf_counter() - start)
         eng.revert([pid])
         try:
             without = _run(module)
@@ -55,9 +58,12 @@ def check_patch(eng: engine.Engine, pid: str) -> CheckResult:
             verdict = "BROKEN: the fix does not hold"
     elif state in (State.SKIPPED_VERSION, State.SKIPPED_PROBE):
         without = _run(module)
-        holds = without.ok
-        verdict = ("not needed: stock mlx-lm is correct" if holds
-                   else "GAP: skipped, yet stock mlx-lm fails the scenario")
+        holds = without.ok is not False
+        if without.ok is None:
+            verdict = f"not applicable here: {without.summary}"
+        else:
+            verdict = ("not needed: stock mlx-lm is correct" if holds
+                       else "GAP: skipped, yet stock mlx-lm fails the scenario")
     elif state is State.DISABLED:
         holds, verdict = True, "not checked: disabled"
     else:
@@ -73,6 +79,10 @@ def run_check(ids=None) -> List[CheckResult]:
     return [check_patch(eng, pid) for pid in chosen]
 
 
+def _word(outcome: Outcome) -> str:
+    return {True: "ok", False: "fails", None: "n/a"}[outcome.ok]
+
+
 def format_report(results: List[CheckResult]) -> str:
     eng = engine.get()
     lines = [
@@ -84,10 +94,10 @@ def format_report(results: List[CheckResult]) -> str:
         lines.append(f"[{mark}] {r.id} ({r.state}, {r.seconds:.1f}s): {r.verdict}")
         if r.without is not None:
             label = "stock mlx-lm" if r.with_patch is not None else "stock mlx-lm (no patch needed)"
-            lines.append(f"       {label}: {'ok' if r.without.ok else 'fails'} - {r.without.summary}")
+            lines.append(f"       {label}: {_word(r.without)} - {r.without.summary}")
             lines.extend(f"         {d}" for d in r.without.details)
         if r.with_patch is not None:
-            lines.append(f"       with patch: {'ok' if r.with_patch.ok else 'fails'} - {r.with_patch.summary}")
+            lines.append(f"       with patch: {_word(r.with_patch)} - {r.with_patch.summary}")
             lines.extend(f"         {d}" for d in r.with_patch.details)
     held = sum(r.holds for r in results)
     lines += ["", f"{held}/{len(results)} fixes hold"]

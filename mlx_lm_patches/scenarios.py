@@ -13,9 +13,16 @@ LOGPROB_TOLERANCE = 1e-4
 
 @dataclass
 class Outcome:
-    ok: bool
+    """What a scenario showed: ``ok`` True (correct), False (wrong or crashed), or None (not
+    applicable on this mlx-lm, e.g. a feature another bug blocks; ``summary`` says why)."""
+
+    ok: Optional[bool]
     summary: str
     details: List[str] = field(default_factory=list)
+
+    @classmethod
+    def not_applicable(cls, why: str):
+        return cls(None, why)
 
     @classmethod
     def failure(cls, summary: str, exc: Optional[BaseException] = None, details=()):
@@ -91,3 +98,37 @@ def round_trip_prompt_cache(model, prompt, make_cache=None, max_tokens=6) -> Opt
     if kinds[0] != kinds[1]:
         return f"loaded cache classes {kinds[0]} differ from saved {kinds[1]}"
     return reference.compare(greedy(model, prompt[-1:], max_tokens=max_tokens, prompt_cache=loaded))
+
+
+def batched_greedy(model, prompts, max_tokens=8, caches=None, late_prompts=(), late_after=2):
+    """Greedy decoding of ``prompts`` together through mlx-lm's ``BatchGenerator`` (every
+    supported release's API). ``late_prompts`` are inserted after ``late_after`` decode steps,
+    into a generator that is already decoding. ``caches``: pre-filled per-prompt caches.
+    Returns one :class:`Decoded` per prompt, in order (``prompts`` then ``late_prompts``)."""
+    import mlx.core as mx
+    from mlx_lm.generate import BatchGenerator
+
+    gen = BatchGenerator(model, max_tokens=max_tokens)
+    step = getattr(gen, "next_generated", None) or gen.next
+    uids = list(gen.insert([list(p) for p in prompts], [max_tokens] * len(prompts), caches=caches))
+    results = {uid: Decoded([], []) for uid in uids}
+    late, steps = list(late_prompts), 0
+    while True:
+        responses = step()
+        for r in responses:
+            results[r.uid].tokens.append(int(r.token))
+            results[r.uid].logprobs.append(r.logprobs)
+        steps += 1
+        if late and steps >= late_after:
+            new = list(gen.insert([list(p) for p in late], [max_tokens] * len(late)))
+            results.update({uid: Decoded([], []) for uid in new})
+            uids += new
+            late = []
+            continue
+        if not responses:
+            break
+    if hasattr(gen, "close"):
+        gen.close()
+    for decoded in results.values():
+        mx.eval(decoded.logprobs)
+    return [results[uid] for uid in uids]

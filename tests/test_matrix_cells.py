@@ -32,6 +32,8 @@ def test_stock_mlx_lm_passes_the_scenario_unless_affected(pid):
     """, env={"MLX_LM_PATCHES": "0"})
     assert ran.returncode == 0, ran.stderr[-2000:]
     ok, summary = ran.stdout.split("\n", 1)
+    if ok == "None":
+        pytest.skip(f"not applicable on this mlx-lm: {summary.strip()}")
     assert ok == "True", f"stock mlx-lm fails {pid}: {summary.strip()}"
 
 
@@ -49,4 +51,6 @@ def test_patched_scenario_is_exact(pid, patched):
     import importlib
 
     outcome = importlib.import_module(matrix.load().get(pid).module_name).scenario()
+    if outcome.ok is None:
+        pytest.skip(f"not applicable on this mlx-lm: {outcome.summary}")
     assert outcome.ok, outcome.summary

@@ -1,0 +1,92 @@
+"""Batched prefill of hybrid models with prompts of different lengths is exact on mlx-lm 0.31.3.
+
+Bug
+    In mlx-lm 0.31.3, ``ArraysCache.merge`` of empty caches (what ``BatchGenerator`` does before
+    a batched prefill) sets ``left_padding``, and ``prepare`` then sets ``lengths``. But
+    ``ArraysCache.make_mask`` returns the left-padding mask and ignores ``lengths`` when both are
+    set, so recurrent layers (gated delta, Mamba2 SSM) fold padded positions into their state:
+    prompts of different lengths decode to silently wrong log-probabilities and tokens
+    (qwen3_next, qwen3_5, qwen3_5_moe, kimi_linear, plamo2, mamba2, ...).
+
+Fix
+    ``ArraysCache.make_mask`` combines both: a position counts when it is at or after the row's
+    left padding *and* before the row's length - the rule mlx-lm 0.32.0 adopted. With only one
+    of the two set the mask is what it was.
+
+Affected
+    mlx-lm 0.31.3 (0.32.0 fixed ``make_mask``).
+
+Upstream
+    https://github.com/ml-explore/mlx-lm/blob/v0.31.3/mlx_lm/models/cache.py (``ArraysCache``);
+    fixed in https://github.com/ml-explore/mlx-lm/blob/v0.32.0/mlx_lm/models/cache.py.
+
+Retire
+    When 0.31.3 drops out of the supported range.
+
+Metal
+    The mask is built with mlx ops in Python; the models' own (Metal) kernels consume it as on
+    0.32.
+"""
+
+import sys
+
+from ..scenarios import Outcome
+
+CACHE = "mlx_lm.models.cache"
+
+
+def _make_mask(wrapped, instance, args, kwargs):
+    import mlx.core as mx
+
+    n = args[0] if args else kwargs["N"]
+    left_padding = getattr(instance, "left_padding", None)
+    lengths = getattr(instance, "lengths", None)
+    if left_padding is None or lengths is None:
+        return wrapped(*args, **kwargs)
+    pos = mx.arange(n)
+    return (pos >= left_padding[:, None]) & (pos < lengths[:, None])
+
+
+def probe():
+    import mlx.core as mx
+
+    arrays_cache = sys.modules[CACHE].ArraysCache
+    if not hasattr(arrays_cache, "prepare"):
+        return None
+    cache = arrays_cache(1, left_padding=[1, 0])
+    cache.prepare(lengths=[2, 2])
+    mask = cache.make_mask(4)
+    expected = mx.array([[False, True, False, False], [True, True, False, False]])
+    if mask is None or not mx.array_equal(mask, expected):
+        got = None if mask is None else mask.tolist()
+        return f"ArraysCache.make_mask ignores lengths when left_padding is set (got {got})"
+    return None
+
+
+def apply(p):
+    p.wrap(f"{CACHE}:ArraysCache.make_mask", _make_mask)
+
+
+def scenario():
+    """BatchGenerator with prompts of different lengths equals single-sequence decoding."""
+    from ..scenarios import batched_greedy, greedy, prompt_tokens
+    from ..testing.tiny_models import available_model_types, build_tiny_model
+
+    from mlx_lm.models.cache import ArraysCache
+
+    if not hasattr(ArraysCache, "merge"):
+        return Outcome.not_applicable("this mlx-lm cannot batch recurrent caches at all (no ArraysCache.merge)")
+    details = []
+    for model_type in [t for t in ("qwen3_next", "mamba2", "kimi_linear") if t in available_model_types()]:
+        model = build_tiny_model(model_type, seed=1)
+        prompts = [prompt_tokens(n, seed=n) for n in (5, 9, 13)]
+        try:
+            got = batched_greedy(model, prompts)
+        except Exception as exc:
+            return Outcome.failure(f"{model_type}: BatchGenerator", exc)
+        for i, (prompt, decoded) in enumerate(zip(prompts, got)):
+            problem = greedy(model, prompt).compare(decoded)
+            if problem:
+                return Outcome.failure(f"{model_type}: batched prompt {i} ({len(prompt)} tokens): {problem}")
+        details.append(f"{model_type}: 3 prompts of 5/9/13 tokens batched exactly")
+    return Outcome(True, "batched prefill with different prompt lengths is exact", details)
