@@ -49,7 +49,7 @@ def test_patch_modules_only_declare_targets_under_their_entry(the_matrix):
 
 def test_tested_versions_cover_the_supported_range(the_matrix):
     tested = {Version(t.mlx_lm) for t in the_matrix.tested_versions}
-    required = {"0.28.4", "0.30.4", "0.30.5", "0.30.6", "0.30.7", "0.31.1", "0.31.2", "0.31.3", "0.32.0", "0.32.2"}
+    required = {"0.28.4", "0.29.1", "0.30.0", "0.30.2", "0.30.4", "0.30.5", "0.30.6", "0.30.7", "0.31.1", "0.31.2", "0.31.3", "0.32.0", "0.32.2"}
     assert {Version(v) for v in required} <= tested
     assert all(the_matrix.supported.contains(v) for v in tested)
     newest = max(tested)
