@@ -4,10 +4,8 @@ lengths, a prompt inserted into a generator already decoding, prompts continuing
 per-prompt caches. Through mlx-lm's own BatchGenerator and batch_generate, patches on."""
 
 import pytest
-from packaging.version import Version
 
 import mlx_lm_patches
-from mlx_lm_patches import versions
 from mlx_lm_patches.scenarios import batched_greedy, greedy, prefill, prompt_tokens
 from mlx_lm_patches.testing.tiny_models import DENSE_MODEL_TYPE, available_model_types, build_tiny_model
 
@@ -18,13 +16,8 @@ import importlib  # noqa: E402
 generate_module = importlib.import_module("mlx_lm.generate")  # `mlx_lm.generate` is also a function
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
-VERSION = versions.mlx_lm().parsed
 COVERED = hasattr(generate_module, "PromptProcessingBatch")  # >= 0.31.2: batch-prefill-per-row
-PENDING = {
-    # bailing_moe_linear <= 0.31.3: BatchKVCache mutates its offset in place, so later layers
-    # rotate at the wrong positions (docs/research/batching.md R9b, fix P8 not landed yet)
-    "bailing_moe_linear": VERSION <= Version("0.31.3"),
-}
+PENDING = {}  # model_type -> True where a cell is known inexact and its fix is pending
 
 SITUATIONS = ("different-lengths", "inserted-while-decoding", "prefilled-caches")
 
