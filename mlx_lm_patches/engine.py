@@ -81,7 +81,7 @@ class Engine:
         return importlib.import_module(self.records[pid].spec.module_in(self.patch_package))
 
     # -- selection --------------------------------------------------------------------------
-    def _resolve_ids(self, ids: Optional[Iterable[str]], what: str) -> List[str]:
+    def resolve_ids(self, ids: Optional[Iterable[str]], what: str) -> List[str]:
         if ids is None:
             return list(self.records)
         if isinstance(ids, str):
@@ -121,8 +121,8 @@ class Engine:
     # -- apply ------------------------------------------------------------------------------
     def request(self, ids=None, exclude=None, raise_errors=True, import_anchors=True):
         """Ask for patches; returns the status rows of the patches asked for."""
-        chosen = self._resolve_ids(ids, "only")
-        excluded = set(self._resolve_ids(exclude, "exclude")) if exclude else set()
+        chosen = self.resolve_ids(ids, "only")
+        excluded = set(self.resolve_ids(exclude, "exclude")) if exclude else set()
         disabled = self._env_disabled(raise_errors) | excluded
         version = self.mlx_lm.parsed
         to_import = []
@@ -239,7 +239,7 @@ class Engine:
 
     # -- revert -----------------------------------------------------------------------------
     def revert(self, ids=None) -> List[PatchStatus]:
-        chosen = self._resolve_ids(ids, "revert")
+        chosen = self.resolve_ids(ids, "revert")
         with self.lock:
             for pid in chosen:
                 rec = self.records[pid]

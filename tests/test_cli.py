@@ -59,7 +59,7 @@ def test_check_demonstrates_every_fix(the_matrix):
 def test_check_unknown_id_is_a_clear_error():
     ran = run_python(None, "-m", "mlx_lm_patches", "check", "no-such-patch")
     assert ran.returncode == 2
-    assert "unknown patch id(s) 'no-such-patch'" in ran.stderr
+    assert "check: unknown patch id(s) 'no-such-patch'" in ran.stderr
 
 
 def test_table_matches_matrix(the_matrix):

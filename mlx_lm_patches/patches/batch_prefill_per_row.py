@@ -10,17 +10,23 @@ Bug
     (or continuations of prompt caches of different lengths) share a batch.
 
 Fix
-    Wrap ``PromptProcessingBatch.prompt``: when the batch holds recurrent caches (``ArraysCache``,
-    also inside ``CacheList``) and the rows have different lengths, take each row's cache out of
-    the batch, run that row's tokens through the model's own forward alone (batch of one, no
-    padding - the reference path), then rebuild the batch cache with mlx-lm's own
-    ``_merge_caches``. Decoding stays batched: one token per row needs no padding and no mask.
-    Batches of equal-length rows and attention-only models take the stock path unchanged.
-    Cost: prompts of different lengths are no longer prefilled in one forward pass.
+    Prefill hybrid rows alone, through the model's own forward with a batch of one and no
+    padding (the reference path), then batch them for decoding with mlx-lm's own machinery.
+    Decoding stays batched: one token per row needs no padding and no mask. Batches of
+    equal-length rows and attention-only models take the stock path unchanged. Cost: prompts of
+    different lengths are no longer prefilled in one forward pass.
+
+    * >= 0.31.2, ``PromptProcessingBatch.prompt``: when the batch holds recurrent caches
+      (``ArraysCache``, also inside ``CacheList``) and the rows differ in length, take each row's
+      cache out of the batch, prefill the row alone, rebuild the batch cache with
+      ``_merge_caches``.
+    * 0.30.4 - 0.31.1, ``BatchGenerator._process_prompts``: for several prompts with recurrent
+      caches, call the original once per prompt and join the single-prompt batches with
+      ``Batch.extend``.
 
 Affected
-    mlx-lm >= 0.31.2 (the releases with ``PromptProcessingBatch``); older releases batch through
-    ``BatchGenerator._process_prompts`` and need their own backport (issue 3, pending).
+    mlx-lm >= 0.30.4. Releases <= 0.30.2 cannot batch recurrent caches at all (no
+    ``ArraysCache.extract``/``merge``; backport pending, issue 3).
 
 Upstream
     https://github.com/ml-explore/mlx-lm/blob/v0.32.2/mlx_lm/generate.py
@@ -103,33 +109,63 @@ def _prompt(wrapped, instance, args, kwargs):
     mx.eval([c.state for c in instance.prompt_cache])
 
 
+def _process_prompts(wrapped, instance, args, kwargs):
+    prompts = list(args[0] if args else kwargs["prompts"])
+    if len(prompts) < 2 or len({len(p[1]) for p in prompts}) < 2 or not _has_recurrent(prompts[0][3]):
+        return wrapped(*args, **kwargs)
+    batch = wrapped([prompts[0]])
+    for prompt in prompts[1:]:
+        batch.extend(wrapped([prompt]))
+    return batch
+
+
 class _ShapeRecorder:
-    """Stands in for a model: records the shape of every batch it is called with."""
+    """Stands in for a model: one attention layer's cache, next-token logits of zeros, and a
+    record of the shape of every batch it is called with."""
 
     def __init__(self):
         self.shapes = []
 
-    def __call__(self, inputs, cache=None):
+    def make_cache(self):
+        return [sys.modules[CACHE].KVCache()]
+
+    def __call__(self, inputs, cache=None, **kwargs):
+        import mlx.core as mx
+
         self.shapes.append(tuple(inputs.shape))
+        batch, length = inputs.shape
+        for layer_cache in cache or ():
+            kv = mx.zeros((batch, 1, length, 2))
+            layer_cache.update_and_fetch(kv, kv)
+        return mx.zeros((batch, length, 4))
 
 
 def probe():
     gen = sys.modules[GENERATE]
-    if not hasattr(gen, "PromptProcessingBatch"):
+    if not hasattr(gen, "PromptProcessingBatch") and not hasattr(gen.BatchGenerator, "_process_prompts"):
         return None
     recorder = _ShapeRecorder()
-    batch = gen.PromptProcessingBatch(recorder, [0, 1], [[], []])
-    batch.prompt([[1, 2, 3], [4]])
-    padded = [shape for shape in recorder.shapes if shape[0] > 1]
+    if hasattr(gen, "PromptProcessingBatch"):
+        batch = gen.PromptProcessingBatch(recorder, [0, 1], [recorder.make_cache(), recorder.make_cache()])
+        batch.prompt([[1, 2, 3], [4]])
+    else:
+        generator = gen.BatchGenerator(recorder, max_tokens=1)
+        generator.insert([[1, 2, 3, 4], [5, 6]], [1, 1])
+        generator.next()
+    padded = [shape for shape in recorder.shapes if shape[0] > 1 and shape[1] > 1]
     if padded:
-        return (f"PromptProcessingBatch.prompt runs rows of lengths 3 and 1 together, padded "
-                f"(model called with {padded[0]}): recurrent layers that ignore the padding mask "
-                "fold it into their state")
+        return (f"batched prefill runs prompts of different lengths together, padded (model "
+                f"called with {padded[0]}): recurrent layers that ignore the padding mask fold "
+                "it into their state")
     return None
 
 
 def apply(p):
-    p.wrap(f"{GENERATE}:PromptProcessingBatch.prompt", _prompt)
+    gen = p.module(GENERATE)
+    if hasattr(gen, "PromptProcessingBatch"):
+        p.wrap(f"{GENERATE}:PromptProcessingBatch.prompt", _prompt)
+    else:
+        p.wrap(f"{GENERATE}:BatchGenerator._process_prompts", _process_prompts)
 
 
 FAMILIES = ("nemotron_h", "jamba", "mamba", "olmo_hybrid")
@@ -142,9 +178,10 @@ def scenario():
     from ..testing.tiny_models import available_model_types, build_tiny_model
     from mlx_lm.models.cache import make_prompt_cache
 
-    gen = sys.modules.get(GENERATE) or __import__(GENERATE, fromlist=["_"])
-    if not hasattr(gen, "PromptProcessingBatch"):
-        return Outcome.not_applicable("this mlx-lm batches through BatchGenerator._process_prompts (backport pending)")
+    from mlx_lm.models.cache import ArraysCache
+
+    if not hasattr(ArraysCache, "merge"):
+        return Outcome.not_applicable("this mlx-lm cannot batch recurrent caches at all (no ArraysCache.merge)")
     details = []
     for model_type in [t for t in FAMILIES if t in available_model_types()]:
         model = build_tiny_model(model_type, seed=1)
