@@ -4,30 +4,30 @@ lengths, a prompt inserted into a generator already decoding, prompts continuing
 per-prompt caches. Through mlx-lm's own BatchGenerator and batch_generate, patches on."""
 
 import pytest
+from packaging.version import Version
 
 import mlx_lm_patches
-from packaging.version import Version
 from mlx_lm_patches import versions
 from mlx_lm_patches.scenarios import batched_greedy, greedy, prefill, prompt_tokens
 from mlx_lm_patches.testing.tiny_models import DENSE_MODEL_TYPE, available_model_types, build_tiny_model
 
 mlx_lm_patches.apply()
 
-import importlib  # noqa: E402
+from mlx_lm.models.cache import ArraysCache, make_prompt_cache  # noqa: E402
 
-generate_module = importlib.import_module("mlx_lm.generate")  # `mlx_lm.generate` is also a function
-from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
-
-from mlx_lm.models.cache import ArraysCache  # noqa: E402
-
+VERSION = versions.mlx_lm().parsed
 # <= 0.30.2: mlx-lm refuses to batch prompts that continue a recurrent prompt cache
 # ("does not yet support batching with history"); backport pending
 HISTORY_PENDING = not hasattr(ArraysCache, "merge")
-VERSION = versions.mlx_lm().parsed
-PENDING = {  # model_type -> True where its cells are known wrong and the fix is pending
-    # kimi_linear <= 0.30.6: ArraysCache batch methods choke on its tuple entries, and its
-    # layer reads an undefined cache (docs/research/batching.md, P6)
-    "kimi_linear": VERSION <= Version("0.30.6"),
+# (model_type, situation) -> True where the cell is known wrong and its fix is pending.
+# kimi_linear <= 0.30.6: ArraysCache batch methods choke on the tuples in its cache slots and its
+# layer reads an undefined cache (docs/research/batching.md, P6); per-row prefill then falls
+# back to mlx-lm's batched prefill, which is exact on 0.30.4-0.30.6 for fresh prompts only.
+KIMI_PENDING = VERSION <= Version("0.30.6")
+PENDING = {
+    ("kimi_linear", "different-lengths"): KIMI_PENDING and HISTORY_PENDING,
+    ("kimi_linear", "inserted-while-decoding"): KIMI_PENDING,
+    ("kimi_linear", "prefilled-caches"): KIMI_PENDING,
 }
 
 SITUATIONS = ("different-lengths", "inserted-while-decoding", "prefilled-caches")
@@ -37,7 +37,7 @@ def _cell(model_type, situation):
     marks = []
     if situation == "prefilled-caches" and HISTORY_PENDING and model_type != DENSE_MODEL_TYPE:
         marks.append(pytest.mark.xfail(strict=True, reason="batching with recurrent history refused on <= 0.30.2 (issue 3)"))
-    elif PENDING.get(model_type):
+    elif PENDING.get((model_type, situation)):
         marks.append(pytest.mark.xfail(strict=True, reason="known inexact, fix pending (issue 3)"))
     return pytest.param(model_type, situation, marks=marks, id=f"{model_type}-{situation}")
 

@@ -43,9 +43,12 @@ Metal
     Uses the models' own forward (their Metal kernels) with batch size one; nothing is bypassed.
 """
 
+import logging
 import sys
 
 from ..scenarios import Outcome
+
+log = logging.getLogger("mlx_lm_patches")
 
 GENERATE = "mlx_lm.generate"
 CACHE = "mlx_lm.models.cache"
@@ -121,10 +124,18 @@ def _process_prompts(wrapped, instance, args, kwargs):
         or not _has_recurrent(prompts[0][3])
     ):
         return wrapped(*args, **kwargs)
-    batch = wrapped([prompts[0]])
-    for prompt in prompts[1:]:
-        batch.extend(wrapped([prompt]))
-    return batch
+    try:
+        batch = wrapped([prompts[0]])
+        for prompt in prompts[1:]:
+            batch.extend(wrapped([prompt]))
+        return batch
+    except (TypeError, ValueError, AttributeError) as exc:
+        # e.g. kimi_linear <= 0.30.6 keeps tuples in its cache slots, which Batch.extend cannot
+        # join; the inputs were not consumed (fresh caches, or merged copies of the given ones),
+        # so mlx-lm's own batched prefill runs instead: no worse than without this patch.
+        log.warning("mlx-lm-patches: per-row prefill not possible here (%s: %s); using mlx-lm's "
+                    "batched prefill", type(exc).__name__, exc)
+        return wrapped(*args, **kwargs)
 
 
 class _ShapeRecorder:
