@@ -132,3 +132,35 @@ def batched_greedy(model, prompts, max_tokens=8, caches=None, late_prompts=(), l
     for decoded in results.values():
         mx.eval(decoded.logprobs)
     return [results[uid] for uid in uids]
+
+
+def round_trip_families(models, seed, summary) -> Outcome:
+    """:func:`round_trip_prompt_cache` for each ``(model_type, model)`` in ``models``; the first
+    problem fails the outcome, otherwise ``summary`` with one detail line per family."""
+    details = []
+    for model_type, model in models:
+        what = f"{model_type}: decoding from a loaded prompt cache"
+        try:
+            problem = round_trip_prompt_cache(model, prompt_tokens(12, seed=seed))
+        except Exception as exc:
+            return Outcome.failure(what, exc)
+        if problem:
+            return Outcome.failure(f"{what}: {problem}")
+        details.append(f"{model_type}: save/load/continue exact")
+    if not details:
+        return Outcome.failure("no tiny model of the kind this scenario needs is available")
+    return Outcome(True, summary, details)
+
+
+def split_prefilled(model, prompts, splits):
+    """Per prompt, a prompt cache already holding its first ``k`` tokens (``k`` from ``splits``)
+    and the tokens still to process: the "continue from pre-filled prompt caches" situation."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    caches, rest = [], []
+    for prompt, k in zip(prompts, splits):
+        cache = make_prompt_cache(model)
+        prefill(model, prompt[:k], cache)
+        caches.append(cache)
+        rest.append(list(prompt[k:]))
+    return caches, rest

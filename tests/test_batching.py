@@ -8,12 +8,12 @@ from packaging.version import Version
 
 import mlx_lm_patches
 from mlx_lm_patches import versions
-from mlx_lm_patches.scenarios import batched_greedy, greedy, prefill, prompt_tokens
+from mlx_lm_patches.scenarios import batched_greedy, greedy, prompt_tokens, split_prefilled
 from mlx_lm_patches.testing.tiny_models import DENSE_MODEL_TYPE, available_model_types, build_tiny_model
 
 mlx_lm_patches.apply()
 
-from mlx_lm.models.cache import ArraysCache, make_prompt_cache  # noqa: E402
+from mlx_lm.models.cache import ArraysCache  # noqa: E402
 
 VERSION = versions.mlx_lm().parsed
 # <= 0.30.2: mlx-lm refuses to batch prompts that continue a recurrent prompt cache
@@ -55,12 +55,7 @@ def test_batched_equals_single_sequence(model_type, situation):
     elif situation == "inserted-while-decoding":
         got = batched_greedy(model, prompts[:2], late_prompts=prompts[2:], late_after=3)
     else:
-        caches, rest = [], []
-        for prompt, k in zip(prompts, (3, 6, 4)):
-            cache = make_prompt_cache(model)
-            prefill(model, prompt[:k], cache)
-            caches.append(cache)
-            rest.append(prompt[k:])
+        caches, rest = split_prefilled(model, prompts, (3, 6, 4))
         got = batched_greedy(model, rest, caches=caches)
     problems = [ref.compare(g) for ref, g in zip(reference, got)]
     assert not any(problems), problems

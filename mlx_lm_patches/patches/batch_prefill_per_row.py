@@ -193,9 +193,8 @@ FAMILIES = ("nemotron_h", "jamba", "mamba", "olmo_hybrid")
 def scenario():
     """BatchGenerator with mask-ignoring recurrent families: different lengths, a late insert,
     and pre-filled prompt caches, each equal to single-sequence decoding."""
-    from ..scenarios import batched_greedy, greedy, prefill, prompt_tokens
+    from ..scenarios import batched_greedy, greedy, prompt_tokens, split_prefilled
     from ..testing.tiny_models import available_model_types, build_tiny_model
-    from mlx_lm.models.cache import make_prompt_cache
 
     from mlx_lm.models.cache import ArraysCache
 
@@ -205,12 +204,7 @@ def scenario():
         model = build_tiny_model(model_type, seed=1)
         prompts = [prompt_tokens(n, seed=n) for n in (5, 9, 13)]
         reference = [greedy(model, p) for p in prompts]
-        caches, rest = [], []
-        for prompt, k in zip(prompts, (3, 6, 4)):
-            cache = make_prompt_cache(model)
-            prefill(model, prompt[:k], cache)
-            caches.append(cache)
-            rest.append(prompt[k:])
+        caches, rest = split_prefilled(model, prompts, (3, 6, 4))
         situations = {
             "different lengths": lambda: batched_greedy(model, prompts),
             "inserted while decoding": lambda: batched_greedy(model, prompts[:2], late_prompts=prompts[2:]),

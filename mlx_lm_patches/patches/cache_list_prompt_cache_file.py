@@ -85,21 +85,9 @@ def apply(p):
 
 def scenario():
     """Save, load and continue a prompt cache of every model family that uses CacheList."""
-    from ..scenarios import prompt_tokens, round_trip_prompt_cache
+    from ..scenarios import round_trip_families
     from ..testing.tiny_models import available_model_types, build_tiny_model, cache_kinds
 
-    details = []
-    for model_type in available_model_types():
-        model = build_tiny_model(model_type, seed=6)
-        if "CacheList" not in cache_kinds(model):
-            continue
-        try:
-            problem = round_trip_prompt_cache(model, prompt_tokens(12, seed=6))
-        except Exception as exc:
-            return Outcome.failure(f"{model_type}: decoding from a loaded prompt cache", exc)
-        if problem:
-            return Outcome.failure(f"{model_type}: decoding from a loaded prompt cache: {problem}")
-        details.append(f"{model_type}: save/load/continue exact")
-    if not details:
-        return Outcome.failure("no tiny model with CacheList layers available")
-    return Outcome(True, "prompt caches with CacheList layers round-trip exactly", details)
+    models = [(t, build_tiny_model(t, seed=6)) for t in available_model_types()]
+    return round_trip_families([(t, m) for t, m in models if "CacheList" in cache_kinds(m)], seed=6,
+                               summary="prompt caches with CacheList layers round-trip exactly")

@@ -53,17 +53,9 @@ def apply(p):
 
 def scenario():
     """Save a hybrid model's prompt cache, load it, continue decoding: exact vs cold."""
+    from ..scenarios import round_trip_families
     from ..testing.tiny_models import available_model_types, build_tiny_model
-    from ..scenarios import prompt_tokens, round_trip_prompt_cache
 
-    details = []
-    for model_type in [t for t in ("qwen3_next", "nemotron_h") if t in available_model_types()]:
-        model = build_tiny_model(model_type, seed=2)
-        try:
-            problem = round_trip_prompt_cache(model, prompt_tokens(13, seed=2))
-        except Exception as exc:
-            return Outcome.failure(f"{model_type}: decoding from a loaded prompt cache", exc)
-        if problem:
-            return Outcome.failure(f"{model_type}: decoding from a loaded prompt cache: {problem}")
-        details.append(f"{model_type}: save/load/continue exact")
-    return Outcome(True, "hybrid prompt caches round-trip through save/load exactly", details)
+    types = [t for t in ("qwen3_next", "nemotron_h") if t in available_model_types()]
+    return round_trip_families([(t, build_tiny_model(t, seed=2)) for t in types], seed=2,
+                               summary="hybrid prompt caches round-trip through save/load exactly")
