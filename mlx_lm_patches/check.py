@@ -1,7 +1,8 @@
 """``python -m mlx_lm_patches check``: demonstrate every applicable fix live on the installed mlx-lm.
 
-For each patch the engine applied, run its scenario with the patch (must be exact), revert it
-and run again (shows the failure or the wrong output stock mlx-lm gives), then re-apply. For a
+For each patch the engine applied, run its scenario with every patch on (must be exact), revert
+them all and run it again (shows the failure or the wrong output stock mlx-lm gives), then
+re-apply. For a
 patch skipped because the installed release or the probe says the bug is absent, run the
 scenario on stock mlx-lm (must be correct). The report says, per patch, whether the fix holds.
 """
@@ -44,11 +45,14 @@ def check_patch(eng: engine.Engine, pid: str) -> CheckResult:
         if with_patch.ok is None:
             return CheckResult(pid, state.value, True, f"not applicable here: {with_patch.summary}",
                                None, with_patch, time.perf_counter() - start)
-        eng.revert([pid])
+        # "stock" means no patch at all: patches can overlap (per-row prefill also sidesteps
+        # the 0.31.3 mask bug), so reverting only this one could hide the failure
+        applied = [i for i, r in eng.records.items() if r.state is State.APPLIED]
+        eng.revert(applied)
         try:
             without = _run(module)
         finally:
-            eng.request([pid], raise_errors=False)
+            eng.request(applied, raise_errors=False)
         holds = with_patch.ok and not without.ok and eng.records[pid].state is State.APPLIED
         if holds:
             verdict = "fixed: stock mlx-lm fails, patched mlx-lm is exact"

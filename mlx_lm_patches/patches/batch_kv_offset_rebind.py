@@ -67,13 +67,9 @@ def apply(p):
 
 def scenario():
     """bailing_moe_linear, two prompts of equal length batched: equal to single decoding."""
-    from mlx_lm.models.cache import ArraysCache
-
     from ..scenarios import batched_greedy, greedy, prompt_tokens
     from ..testing.tiny_models import available_model_types, build_tiny_model
 
-    if not hasattr(ArraysCache, "merge"):
-        return Outcome.not_applicable("this mlx-lm cannot batch recurrent caches at all (no ArraysCache.merge)")
     if "bailing_moe_linear" not in available_model_types():
         return Outcome.not_applicable("no bailing_moe_linear in this mlx-lm")
     model = build_tiny_model("bailing_moe_linear", seed=1)
