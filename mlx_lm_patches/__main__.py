@@ -44,6 +44,8 @@ def _status(args) -> int:
             print(f"  {'':<{width}}  {r.summary}")
             if r.detail:
                 print(f"  {'':<{width}}  -> {r.detail}")
+            if r.metal:
+                print(f"  {'':<{width}}  Metal: {r.metal}")
     return 1 if any(r.state == "failed" for r in rows) else 0
 
 

@@ -50,6 +50,7 @@ class PatchStatus:
     detail: str
     targets: List[str]
     upstream: List[str]
+    metal: Optional[str] = None  # where the fix takes a different path on Apple GPUs
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -273,6 +274,7 @@ class Engine:
             detail=detail,
             targets=list(spec.targets),
             upstream=list(spec.upstream),
+            metal=spec.metal_note,
         )
 
     def rows(self) -> List[PatchStatus]:
