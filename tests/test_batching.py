@@ -16,16 +16,14 @@ mlx_lm_patches.apply()
 from mlx_lm.models.cache import ArraysCache  # noqa: E402
 
 VERSION = versions.mlx_lm().parsed
-# <= 0.30.2: mlx-lm refuses to batch prompts that continue a recurrent prompt cache
-# ("does not yet support batching with history"); backport pending
-HISTORY_PENDING = not hasattr(ArraysCache, "merge")
+OLD_BATCHING = not hasattr(ArraysCache, "merge")  # <= 0.30.2
 # (model_type, situation) -> True where the cell is known wrong and its fix is pending.
 # kimi_linear <= 0.30.6: ArraysCache batch methods choke on the tuples in its cache slots and its
 # layer reads an undefined cache (docs/research/batching.md, P6); per-row prefill then falls
 # back to mlx-lm's batched prefill, which is exact on 0.30.4-0.30.6 for fresh prompts only.
 KIMI_PENDING = VERSION <= Version("0.30.6")
 PENDING = {
-    ("kimi_linear", "different-lengths"): KIMI_PENDING and HISTORY_PENDING,
+    ("kimi_linear", "different-lengths"): KIMI_PENDING and OLD_BATCHING,
     ("kimi_linear", "inserted-while-decoding"): KIMI_PENDING,
     ("kimi_linear", "prefilled-caches"): KIMI_PENDING,
 }
@@ -35,9 +33,7 @@ SITUATIONS = ("different-lengths", "inserted-while-decoding", "prefilled-caches"
 
 def _cell(model_type, situation):
     marks = []
-    if situation == "prefilled-caches" and HISTORY_PENDING and model_type != DENSE_MODEL_TYPE:
-        marks.append(pytest.mark.xfail(strict=True, reason="batching with recurrent history refused on <= 0.30.2 (issue 3)"))
-    elif PENDING.get((model_type, situation)):
+    if PENDING.get((model_type, situation)):
         marks.append(pytest.mark.xfail(strict=True, reason="known inexact, fix pending (issue 3)"))
     return pytest.param(model_type, situation, marks=marks, id=f"{model_type}-{situation}")
 

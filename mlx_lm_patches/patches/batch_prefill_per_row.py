@@ -24,9 +24,8 @@ Fix
       caches, call the original once per prompt and join the single-prompt batches with
       ``Batch.extend``. On <= 0.30.2 this is done for equal lengths too: a batched recurrent
       prefill there crashes in the gated-delta CPU path (``[broadcast_shapes]``, the mask is
-      shaped for one row), and needs ``arrays-cache-extract`` to hand back finished caches.
-      Continuing from pre-filled prompt caches on <= 0.30.2 is still refused by mlx-lm
-      ("does not yet support batching with history"; backport pending, issue 3).
+      shaped for one row); there it works with ``arrays-cache-extract`` (finished sequences hand
+      back their caches) and ``batch-history-backport`` (continuing from prompt caches).
 
 Affected
     Every supported release (0.28.4 - 0.32.2); the probe decides on newer ones.
@@ -196,9 +195,6 @@ def scenario():
     from ..scenarios import batched_greedy, greedy, prompt_tokens, split_prefilled
     from ..testing.tiny_models import available_model_types, build_tiny_model
 
-    from mlx_lm.models.cache import ArraysCache
-
-    with_history = hasattr(ArraysCache, "merge")  # <= 0.30.2 refuses prompt caches (pending)
     details = []
     for model_type in [t for t in FAMILIES if t in available_model_types()]:
         model = build_tiny_model(model_type, seed=1)
@@ -208,9 +204,8 @@ def scenario():
         situations = {
             "different lengths": lambda: batched_greedy(model, prompts),
             "inserted while decoding": lambda: batched_greedy(model, prompts[:2], late_prompts=prompts[2:]),
+            "pre-filled prompt caches": lambda: batched_greedy(model, rest, caches=caches),
         }
-        if with_history:
-            situations["pre-filled prompt caches"] = lambda: batched_greedy(model, rest, caches=caches)
         for name, run in situations.items():
             try:
                 got = run()
