@@ -4,29 +4,15 @@ lengths, a prompt inserted into a generator already decoding, prompts continuing
 per-prompt caches. Through mlx-lm's own BatchGenerator and batch_generate, patches on."""
 
 import pytest
-from packaging.version import Version
 
 import mlx_lm_patches
-from mlx_lm_patches import versions
 from mlx_lm_patches.scenarios import batched_greedy, greedy, prompt_tokens, split_prefilled
 from mlx_lm_patches.testing.tiny_models import DENSE_MODEL_TYPE, available_model_types, build_tiny_model
 
 mlx_lm_patches.apply()
 
-from mlx_lm.models.cache import ArraysCache  # noqa: E402
-
-VERSION = versions.mlx_lm().parsed
-OLD_BATCHING = not hasattr(ArraysCache, "merge")  # <= 0.30.2
-# (model_type, situation) -> True where the cell is known wrong and its fix is pending.
-# kimi_linear <= 0.30.6: ArraysCache batch methods choke on the tuples in its cache slots and its
-# layer reads an undefined cache (docs/research/batching.md, P6); per-row prefill then falls
-# back to mlx-lm's batched prefill, which is exact on 0.30.4-0.30.6 for fresh prompts only.
-KIMI_PENDING = VERSION <= Version("0.30.6")
-PENDING = {
-    ("kimi_linear", "different-lengths"): KIMI_PENDING and OLD_BATCHING,
-    ("kimi_linear", "inserted-while-decoding"): KIMI_PENDING,
-    ("kimi_linear", "prefilled-caches"): KIMI_PENDING,
-}
+# (model_type, situation) -> True where the cell is known wrong and its fix is pending
+PENDING = {}
 
 SITUATIONS = ("different-lengths", "inserted-while-decoding", "prefilled-caches")
 
