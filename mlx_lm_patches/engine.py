@@ -65,6 +65,7 @@ class _Record:
     active: bool = False  # read by every wrapper we installed (soft revert)
     raise_errors: bool = False
     error: Optional[BaseException] = field(default=None, repr=False)
+    applied_seq: int = 0  # order of application: revert undoes the latest first
 
 
 class Engine:
@@ -75,6 +76,7 @@ class Engine:
         self.lock = threading.RLock()
         self.records: Dict[str, _Record] = {s.id: _Record(s) for s in the_matrix.patches}
         self.activation: Optional[str] = None
+        self._seq = 0
         self.mlx_lm = installed or versions.mlx_lm()
         self.mlx = versions.mlx()
 
@@ -206,6 +208,8 @@ class Engine:
                 self._fail(rec, f"apply raised {type(exc).__name__}: {exc}", exc)
                 return
             detail = evidence if isinstance(evidence, str) else "bug confirmed by probe"
+            self._seq += 1
+            rec.applied_seq = self._seq
             self._set(rec, State.APPLIED, detail)
             for module_name, thunk, target in patcher.deferred:
                 self._hook(
@@ -242,7 +246,8 @@ class Engine:
     def revert(self, ids=None) -> List[PatchStatus]:
         chosen = self.resolve_ids(ids, "revert")
         with self.lock:
-            for pid in chosen:
+            # patches may stack on the same attribute: undo the latest first
+            for pid in sorted(chosen, key=lambda i: -self.records[i].applied_seq):
                 rec = self.records[pid]
                 if rec.state not in (State.APPLIED, State.PENDING):
                     continue

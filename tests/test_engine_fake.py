@@ -328,3 +328,40 @@ def test_public_api_is_lazy_and_complete():
     assert mlx_lm_patches.apply is engine_mod.apply
     with pytest.raises(AttributeError):
         mlx_lm_patches.nope
+
+
+def test_revert_all_undoes_stacked_patches_latest_first(tmp_path, monkeypatch):
+    """Two patches on one attribute (the second wraps what the first added): reverting both
+    restores the original, whatever order the ids are given in."""
+    fake = Fake(tmp_path, monkeypatch)
+    patches = tmp_path / fake.pkg
+    (patches / "stack_base.py").write_text(textwrap.dedent(f"""
+        def probe():
+            return True
+
+        def apply(p):
+            p.set("{fake.lib}.core:Cache.added", lambda self: "base")
+    """))
+    (patches / "stack_top.py").write_text(textwrap.dedent(f"""
+        def probe():
+            return True
+
+        def apply(p):
+            p.wrap("{fake.lib}.core:Cache.added", lambda wrapped, instance, args, kwargs: "top")
+    """))
+    path = tmp_path / "stacked.yaml"
+    path.write_text(textwrap.dedent(f"""
+        schema: 1
+        supported: ">=1.0"
+        tested_versions: []
+        patches:
+          - {{id: stack-base, summary: s, affected: ">=1.0", fixed_in: null, upstream: [], targets: ["{fake.lib}.core:Cache.added"], probe: p}}
+          - {{id: stack-top, summary: s, affected: ">=1.0", fixed_in: null, upstream: [], targets: ["{fake.lib}.core:Cache.added"], probe: p}}
+    """))
+    eng = Engine(matrix.load(str(path)), patch_package=fake.pkg,
+                 installed=versions.InstalledDist("fakelib", "1.2"))
+    eng.request()
+    core = sys.modules[f"{fake.lib}.core"]
+    assert core.Cache(1).added() == "top"
+    eng.revert(["stack-base", "stack-top"])
+    assert "added" not in vars(core.Cache)

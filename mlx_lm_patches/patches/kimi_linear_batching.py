@@ -149,9 +149,17 @@ def scenario():
     from ..scenarios import batched_greedy, greedy, prompt_tokens, split_prefilled
     from ..testing.tiny_models import available_model_types, build_tiny_model
 
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from ..scenarios import prefill
+
     if "kimi_linear" not in available_model_types():
         return Outcome.not_applicable("no kimi_linear in this mlx-lm")
     model = build_tiny_model("kimi_linear", seed=1)
+    probe_cache = make_prompt_cache(model)
+    prefill(model, prompt_tokens(3), probe_cache)
+    if not any(isinstance(s, tuple) for c in probe_cache for s in getattr(c, "cache", ())):
+        return Outcome.not_applicable("this kimi_linear keeps no tuples in its cache slots")
     prompts = [prompt_tokens(n, seed=n) for n in (5, 9, 13)]
     reference = [greedy(model, p) for p in prompts]
     caches, rest = split_prefilled(model, prompts, (3, 6, 4))
