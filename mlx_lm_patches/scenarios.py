@@ -164,3 +164,27 @@ def split_prefilled(model, prompts, splits):
         caches.append(cache)
         rest.append(list(prompt[k:]))
     return caches, rest
+
+
+def batching_situations(model, model_type) -> Optional[str]:
+    """The three batched-generation situations (prompts of different lengths, a prompt inserted
+    while the generator decodes, prompts continuing pre-filled caches), each compared with
+    single-sequence greedy decoding. ``None`` if all are exact, else what went wrong."""
+    prompts = [prompt_tokens(n, seed=n) for n in (5, 9, 13)]
+    reference = [greedy(model, p) for p in prompts]
+    caches, rest = split_prefilled(model, prompts, (3, 6, 4))
+    situations = {
+        "different lengths": lambda: batched_greedy(model, prompts),
+        "inserted while decoding": lambda: batched_greedy(model, prompts[:2], late_prompts=prompts[2:]),
+        "pre-filled prompt caches": lambda: batched_greedy(model, rest, caches=caches),
+    }
+    for name, run in situations.items():
+        try:
+            got = run()
+        except Exception as exc:
+            return f"{model_type}, {name}: {type(exc).__name__}: {exc}"
+        for i, (ref, decoded) in enumerate(zip(reference, got)):
+            problem = ref.compare(decoded)
+            if problem:
+                return f"{model_type}, {name}, prompt {i}: {problem}"
+    return None

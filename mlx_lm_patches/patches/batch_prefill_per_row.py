@@ -192,28 +192,13 @@ FAMILIES = ("nemotron_h", "jamba", "mamba", "olmo_hybrid")
 def scenario():
     """BatchGenerator with mask-ignoring recurrent families: different lengths, a late insert,
     and pre-filled prompt caches, each equal to single-sequence decoding."""
-    from ..scenarios import batched_greedy, greedy, prompt_tokens, split_prefilled
+    from ..scenarios import batching_situations
     from ..testing.tiny_models import available_model_types, build_tiny_model
 
     details = []
     for model_type in [t for t in FAMILIES if t in available_model_types()]:
-        model = build_tiny_model(model_type, seed=1)
-        prompts = [prompt_tokens(n, seed=n) for n in (5, 9, 13)]
-        reference = [greedy(model, p) for p in prompts]
-        caches, rest = split_prefilled(model, prompts, (3, 6, 4))
-        situations = {
-            "different lengths": lambda: batched_greedy(model, prompts),
-            "inserted while decoding": lambda: batched_greedy(model, prompts[:2], late_prompts=prompts[2:]),
-            "pre-filled prompt caches": lambda: batched_greedy(model, rest, caches=caches),
-        }
-        for name, run in situations.items():
-            try:
-                got = run()
-            except Exception as exc:
-                return Outcome.failure(f"{model_type}, {name}", exc)
-            for i, (ref, decoded) in enumerate(zip(reference, got)):
-                problem = ref.compare(decoded)
-                if problem:
-                    return Outcome.failure(f"{model_type}, {name}, prompt {i}: {problem}")
-        details.append(f"{model_type}: {len(situations)} situations x 3 prompts exact")
+        problem = batching_situations(build_tiny_model(model_type, seed=1), model_type)
+        if problem:
+            return Outcome.failure(problem)
+        details.append(f"{model_type}: 3 situations x 3 prompts exact")
     return Outcome(True, "batched decoding equals single-sequence decoding", details)

@@ -146,12 +146,10 @@ def apply(p):
 
 def scenario():
     """kimi_linear batched: different lengths, a late insert, pre-filled prompt caches."""
-    from ..scenarios import batched_greedy, greedy, prompt_tokens, split_prefilled
-    from ..testing.tiny_models import available_model_types, build_tiny_model
-
     from mlx_lm.models.cache import make_prompt_cache
 
-    from ..scenarios import prefill
+    from ..scenarios import batching_situations, prefill, prompt_tokens
+    from ..testing.tiny_models import available_model_types, build_tiny_model
 
     if "kimi_linear" not in available_model_types():
         return Outcome.not_applicable("no kimi_linear in this mlx-lm")
@@ -160,21 +158,7 @@ def scenario():
     prefill(model, prompt_tokens(3), probe_cache)
     if not any(isinstance(s, tuple) for c in probe_cache for s in getattr(c, "cache", ())):
         return Outcome.not_applicable("this kimi_linear keeps no tuples in its cache slots")
-    prompts = [prompt_tokens(n, seed=n) for n in (5, 9, 13)]
-    reference = [greedy(model, p) for p in prompts]
-    caches, rest = split_prefilled(model, prompts, (3, 6, 4))
-    situations = {
-        "different lengths": lambda: batched_greedy(model, prompts),
-        "inserted while decoding": lambda: batched_greedy(model, prompts[:2], late_prompts=prompts[2:]),
-        "pre-filled prompt caches": lambda: batched_greedy(model, rest, caches=caches),
-    }
-    for name, run in situations.items():
-        try:
-            got = run()
-        except Exception as exc:
-            return Outcome.failure(f"kimi_linear, {name}", exc)
-        for i, (ref, decoded) in enumerate(zip(reference, got)):
-            problem = ref.compare(decoded)
-            if problem:
-                return Outcome.failure(f"kimi_linear, {name}, prompt {i}: {problem}")
+    problem = batching_situations(model, "kimi_linear")
+    if problem:
+        return Outcome.failure(problem)
     return Outcome(True, "kimi_linear batches exactly", ["kimi_linear: 3 situations x 3 prompts exact"])
