@@ -25,7 +25,11 @@ CHILDREN = "MLX_LM_PATCHES_CHILDREN"
 """For ``mlx-lm-patches-run``: ``1`` keeps the sitecustomize activation in child processes.
 Default ``0``: only the launched command is activated."""
 
-ALL_VARIABLES = (ENABLED, DISABLE, STRICT, DEBUG, CHILDREN)
+ROLLBACK_SNAPSHOTS = "MLX_LM_PATCHES_ROLLBACK_SNAPSHOTS"
+"""Most recurrent states kept per cache list for exact rollback (speculative decoding): a
+positive integer, default 32. Drafting more than ``value - 2`` tokens per round is refused."""
+
+ALL_VARIABLES = (ENABLED, DISABLE, STRICT, DEBUG, CHILDREN, ROLLBACK_SNAPSHOTS)
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -78,3 +82,14 @@ def id_list(name, environ=None):
 
 def _is_id(text):
     return text[:1].isalpha() and all(ch.isalnum() or ch in "-_" for ch in text)
+
+
+def positive_int(name, default, environ=None):
+    """Read a positive integer; empty or unset means ``default``."""
+    raw = (os.environ if environ is None else environ).get(name, "")
+    value = raw.strip()
+    if not value:
+        return default
+    if value.isdigit() and int(value) > 0:
+        return int(value)
+    raise EnvError(f"{name}={raw!r} is not understood; accepted values: a positive integer")

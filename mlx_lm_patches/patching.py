@@ -70,11 +70,18 @@ class Op:
     installed: Any
 
     def in_place(self) -> bool:
-        return vars(self.owner).get(self.attr, MISSING) is self.installed
+        """Our object is the live attribute, or is wrapped only by other patches of ours
+        (patches stacked on one target, e.g. two wrappers of ``speculative_generate_step``)."""
+        current = vars(self.owner).get(self.attr, MISSING)
+        while current is not self.installed:
+            if installed_by(current) is None or getattr(current, "__wrapped__", None) is None:
+                return False
+            current = current.__wrapped__
+        return True
 
     def undo(self) -> Optional[str]:
         """Restore the original; returns a note when someone else has replaced our object."""
-        if not self.in_place():
+        if vars(self.owner).get(self.attr, MISSING) is not self.installed:
             return f"{self.target} was replaced by someone else; left as is"
         if self.original is MISSING:
             delattr(self.owner, self.attr)

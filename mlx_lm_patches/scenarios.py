@@ -49,16 +49,36 @@ class Decoded:
         return None
 
 
-def greedy(model, prompt, max_tokens=8, prompt_cache=None) -> Decoded:
-    """Greedy decoding through mlx-lm's ``generate_step`` (the reference path)."""
+def greedy(model, prompt, max_tokens=8, prompt_cache=None, **kwargs) -> Decoded:
+    """Greedy decoding through mlx-lm's ``generate_step`` (the reference path); ``kwargs`` go
+    to ``generate_step`` (e.g. ``logits_processors``)."""
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 
     tokens, logprobs = [], []
     steps = generate_step(
-        mx.array(prompt), model, max_tokens=max_tokens, prompt_cache=prompt_cache
+        mx.array(prompt), model, max_tokens=max_tokens, prompt_cache=prompt_cache, **kwargs
     )
     for token, lp in steps:
+        tokens.append(int(token))
+        logprobs.append(lp)
+    mx.eval(logprobs)
+    return Decoded(tokens, logprobs)
+
+
+def speculative_greedy(model, draft_model, prompt, max_tokens=8, num_draft_tokens=2,
+                       prompt_cache=None, **kwargs) -> Decoded:
+    """Greedy speculative decoding through mlx-lm's ``speculative_generate_step``; the tokens
+    and log-probabilities it yields, comparable with :func:`greedy`."""
+    import mlx.core as mx
+    from mlx_lm.generate import speculative_generate_step
+
+    tokens, logprobs = [], []
+    steps = speculative_generate_step(
+        mx.array(prompt), model, draft_model, num_draft_tokens=num_draft_tokens,
+        max_tokens=max_tokens, prompt_cache=prompt_cache, **kwargs
+    )
+    for token, lp, _from_draft in steps:
         tokens.append(int(token))
         logprobs.append(lp)
     mx.eval(logprobs)

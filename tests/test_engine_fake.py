@@ -363,5 +363,7 @@ def test_revert_all_undoes_stacked_patches_latest_first(tmp_path, monkeypatch):
     eng.request()
     core = sys.modules[f"{fake.lib}.core"]
     assert core.Cache(1).added() == "top"
+    # Wrapped by another patch of ours is still in place (status does not cry "replaced").
+    assert all("replaced" not in eng.row(pid).detail for pid in ("stack-base", "stack-top"))
     eng.revert(["stack-base", "stack-top"])
     assert "added" not in vars(core.Cache)

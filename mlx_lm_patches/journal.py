@@ -1,0 +1,316 @@
+"""Exact rollback of a hybrid model's prompt cache: a journal of its recent forward passes.
+
+Attention caches (``KVCache`` and kin) go back in time by dropping their last keys and values.
+A recurrent layer's cache (``ArraysCache``: gated-delta, Mamba SSM, short-conv, RG-LRU, RWKV
+states) holds one state that each forward pass replaces; the state of ``n`` tokens ago is gone
+unless it was kept. Setting it to zero ("reset", mlx-lm PR #1254) is *not* a rollback: it changes
+every later token.
+
+A :class:`Journal` makes one model's cache list go back exactly:
+
+* before every forward pass through the model (``journal.forward``) it keeps the recurrent
+  states as they were - by reference: mlx arrays are immutable and every mlx-lm model replaces
+  its cache slots rather than writing into them - together with the token ids of the pass;
+* ``journal.trim(cache, n)`` finds the newest kept state at or before the target position,
+  restores it in every recurrent layer, trims every attention cache to the same position, and
+  re-runs the tokens between that state and the target through the model's own forward: the
+  same computation a cold prefill of those tokens does, so the result equals it. A draft model
+  decodes one token per pass, so its trims land exactly on a kept state and replay nothing.
+* The whole cache list moves as a unit, or not at all: if any layer cannot reach the target
+  (no kept state that old, a sliding-window cache that already dropped the keys, a forward that
+  bypassed the journal), nothing is touched and the trim reports 0 - or, for callers that ignore
+  the return value (mlx-lm's speculative loop), raises :class:`RollbackRefused`.
+
+Kept states are bounded: a journal keeps what a trim of up to ``window`` tokens needs and never
+more than ``max_snapshots`` (env ``MLX_LM_PATCHES_ROLLBACK_SNAPSHOTS``). Their bytes are added to
+``ArraysCache.nbytes`` while the journal is attached.
+"""
+
+import threading
+import weakref
+from typing import List, Optional
+
+from .env import ROLLBACK_SNAPSHOTS as SNAPSHOTS_ENV
+
+DEFAULT_MAX_SNAPSHOTS = 32
+
+_journals = weakref.WeakKeyDictionary()  # recurrent cache object -> its Journal
+_lock = threading.Lock()
+
+
+class RollbackRefused(RuntimeError):
+    """A cache list could not go back exactly; nothing was changed."""
+
+
+def max_snapshots(environ=None) -> int:
+    """The snapshot bound from ``MLX_LM_PATCHES_ROLLBACK_SNAPSHOTS``."""
+    from .env import ROLLBACK_SNAPSHOTS, positive_int
+
+    return positive_int(ROLLBACK_SNAPSHOTS, DEFAULT_MAX_SNAPSHOTS, environ)
+
+
+def flat_caches(caches) -> list:
+    """The leaf caches of a prompt cache, with ``CacheList`` entries expanded in order."""
+    out = []
+    for cache in caches:
+        inner = getattr(cache, "caches", None)
+        if isinstance(inner, (list, tuple)):
+            out.extend(flat_caches(inner))
+        else:
+            out.append(cache)
+    return out
+
+
+def _arrays_cache_class():
+    import sys
+
+    return sys.modules["mlx_lm.models.cache"].ArraysCache
+
+
+def recurrent_caches(caches) -> list:
+    arrays_cache = _arrays_cache_class()
+    return [c for c in flat_caches(caches) if isinstance(c, arrays_cache)]
+
+
+def has_recurrent_state(caches) -> bool:
+    return bool(recurrent_caches(caches))
+
+
+def journal_of(caches) -> Optional["Journal"]:
+    """The journal every recurrent cache in ``caches`` belongs to, if they share one."""
+    found = {id(_journals.get(c)): _journals.get(c) for c in recurrent_caches(caches)}
+    if len(found) != 1:
+        return None
+    return next(iter(found.values()))
+
+
+def journal_of_cache(cache) -> Optional["Journal"]:
+    try:
+        return _journals.get(cache)
+    except TypeError:
+        return None
+
+
+def _slots(cache):
+    """What a recurrent cache's state is made of: its slot list (copied, same container type,
+    e.g. the auto-sized slots of ``ArraysCache()``) and its batching bookkeeping."""
+    slots = cache.cache
+    return (type(slots)(slots), getattr(cache, "left_padding", None), getattr(cache, "lengths", None))
+
+
+def _restore(cache, saved):
+    slots, left_padding, lengths = saved
+    cache.cache = type(slots)(slots)
+    if hasattr(cache, "left_padding"):
+        cache.left_padding = left_padding
+    if hasattr(cache, "lengths"):
+        cache.lengths = lengths
+
+
+def _same_slots(cache, saved) -> bool:
+    slots = cache.cache
+    return len(slots) == len(saved[0]) and all(a is b for a, b in zip(slots, saved[0]))
+
+
+def _arrays(value):
+    import mlx.core as mx
+
+    if isinstance(value, mx.array):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _arrays(item)
+
+
+def _kv_offset(cache) -> Optional[int]:
+    offset = getattr(cache, "offset", None)
+    return offset if isinstance(offset, int) else None
+
+
+class _Snapshot:
+    __slots__ = ("pos", "states", "tokens")
+
+    def __init__(self, pos, states, tokens):
+        self.pos = pos  # tokens seen before this pass
+        self.states = states  # one _slots() tuple per recurrent cache, in order
+        self.tokens = tokens  # mx.array [batch, T] fed in this pass
+
+
+class Journal:
+    """Keeps one cache list able to go back exactly; see the module docstring.
+
+    ``model`` is the real model (called for passes and replays); ``caches`` its prompt cache;
+    ``window`` the largest trim the caller will ask for; ``strict`` makes a refused trim raise.
+    """
+
+    def __init__(self, model, caches, window: int, strict: bool = False, limit: Optional[int] = None):
+        self.model = model
+        self.window = max(int(window), 1)
+        self.strict = strict
+        self.limit = limit or max_snapshots()
+        if self.window + 1 > self.limit:
+            raise RollbackRefused(
+                f"exact rollback of up to {self.window} tokens keeps up to {self.window + 1} "
+                f"recurrent states, more than {SNAPSHOTS_ENV}={self.limit}; raise that setting "
+                f"or draft fewer tokens"
+            )
+        self.recurrent = recurrent_caches(caches)
+        self.pos = 0
+        self._snapshots: List[_Snapshot] = []
+        self._after = None  # recurrent states right after the last journaled pass
+        self._base = self._kv_bases(caches)
+        self.refusal = None  # why the last trim was refused
+        with _lock:
+            for cache in self.recurrent:
+                _journals[cache] = self
+
+    # -- attaching --------------------------------------------------------------------------
+    def detach(self) -> None:
+        """Stop journaling: the caches go back to stock behaviour (not trimmable)."""
+        with _lock:
+            for cache in self.recurrent:
+                if _journals.get(cache) is self:
+                    del _journals[cache]
+        self._snapshots.clear()
+
+    def covers(self, caches) -> bool:
+        return [id(c) for c in recurrent_caches(caches)] == [id(c) for c in self.recurrent]
+
+    # -- forward passes ---------------------------------------------------------------------
+    def forward(self, inputs, cache, **kwargs):
+        """``model(inputs, cache=cache, **kwargs)``, keeping the states it replaces."""
+        import mlx.core as mx
+
+        journaled = (
+            isinstance(inputs, mx.array) and inputs.ndim == 2 and not kwargs and self.covers(cache)
+        )
+        if not journaled:
+            self._forget("a forward pass the journal cannot replay (not token ids)")
+            out = self.model(inputs, cache=cache, **kwargs)
+            self._after = None
+            return out
+        if not self._consistent(cache):
+            self._rebase(cache)
+        self._snapshots.append(_Snapshot(self.pos, [_slots(c) for c in self.recurrent], inputs))
+        out = self.model(inputs, cache=cache)
+        self.pos += inputs.shape[1]
+        self._after = [_slots(c) for c in self.recurrent]
+        self._prune()
+        return out
+
+    def _prune(self):
+        # Keep every snapshot a trim of up to `window` tokens may need: those at or after
+        # pos - window, plus the newest one before it.
+        horizon = self.pos - self.window
+        first = 0
+        for i, snap in enumerate(self._snapshots):
+            if snap.pos <= horizon:
+                first = i
+        del self._snapshots[:first]
+        excess = len(self._snapshots) - self.limit
+        if excess > 0:
+            del self._snapshots[:excess]
+
+    def _forget(self, why):
+        self._snapshots.clear()
+        self.refusal = why
+
+    def _kv_bases(self, caches):
+        bases = []
+        arrays_cache = _arrays_cache_class()
+        for cache in flat_caches(caches):
+            if isinstance(cache, arrays_cache):
+                continue
+            offset = _kv_offset(cache)
+            bases.append(None if offset is None else offset - self.pos)
+        return bases
+
+    def _consistent(self, caches) -> bool:
+        if self._after is not None:
+            if not all(_same_slots(c, s) for c, s in zip(self.recurrent, self._after)):
+                return False
+        elif self._snapshots:
+            return False
+        return self._kv_bases(caches) == self._base
+
+    def _rebase(self, caches):
+        """Someone moved the caches behind the journal's back: what was kept no longer
+        describes them. Start over from here."""
+        self._forget("the caches changed outside the journal")
+        self._base = self._kv_bases(caches)
+
+    # -- going back -------------------------------------------------------------------------
+    def retained_nbytes(self, cache) -> int:
+        """Bytes kept alive for ``cache`` by the journal beyond its current state."""
+        try:
+            index = next(i for i, c in enumerate(self.recurrent) if c is cache)
+        except StopIteration:
+            return 0
+        live = {id(a) for a in _arrays(cache.cache)}
+        seen, total = set(), 0
+        for snap in self._snapshots:
+            for array in _arrays(snap.states[index][0]):
+                if id(array) not in live and id(array) not in seen:
+                    seen.add(id(array))
+                    total += array.nbytes
+        return total
+
+    def trim(self, caches, n: int) -> int:
+        """Go back ``n`` tokens exactly (all layers) and return ``n``; or change nothing and
+        return 0 (raise :class:`RollbackRefused` if ``strict``)."""
+        if n <= 0:
+            return 0
+        why = self._why_not(caches, n)
+        if why:
+            self.refusal = why
+            if self.strict:
+                raise RollbackRefused(f"cannot go back {n} tokens exactly: {why}")
+            return 0
+        target = self.pos - n
+        index = max(i for i, s in enumerate(self._snapshots) if s.pos <= target)
+        snap = self._snapshots[index]
+        replay = self._tokens_since(index)[:, : target - snap.pos]
+        back = self.pos - snap.pos
+        arrays_cache = _arrays_cache_class()
+        for cache in flat_caches(caches):
+            if not isinstance(cache, arrays_cache):
+                cache.trim(back)
+        for cache, saved in zip(self.recurrent, snap.states):
+            _restore(cache, saved)
+        del self._snapshots[index:]
+        self.pos = snap.pos
+        self._after = [_slots(c) for c in self.recurrent]
+        if replay.shape[1]:
+            import mlx.core as mx
+
+            self.forward(replay, caches)
+            mx.eval([c.state for c in caches])
+        return n
+
+    def _tokens_since(self, index):
+        import mlx.core as mx
+
+        parts = [s.tokens for s in self._snapshots[index:]]
+        return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=1)
+
+    def _why_not(self, caches, n) -> Optional[str]:
+        if not self.covers(caches):
+            return "the cache list is not the one this journal keeps"
+        if not self._consistent(caches):
+            return "the caches changed outside the journal (a forward pass it did not see)"
+        target = self.pos - n
+        if target < 0 or not any(s.pos <= target for s in self._snapshots):
+            return (
+                f"no recurrent state kept at or before position {target} "
+                f"({self.refusal or 'older than the journal window'})"
+            )
+        snap = max((s for s in self._snapshots if s.pos <= target), key=lambda s: s.pos)
+        back = self.pos - snap.pos
+        arrays_cache = _arrays_cache_class()
+        for cache in flat_caches(caches):
+            if isinstance(cache, arrays_cache):
+                continue
+            offset = _kv_offset(cache)
+            if offset is None or not cache.is_trimmable() or offset < back:
+                return f"{type(cache).__name__} cannot drop its last {back} tokens"
+        return None

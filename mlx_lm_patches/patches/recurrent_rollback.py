@@ -1,0 +1,193 @@
+"""Speculative decoding with hybrid models: recurrent caches go back exactly, or refuse.
+
+Bug
+    ``ArraysCache`` (the recurrent state of gated-delta, Mamba, short-conv, RG-LRU, RWKV ... layers)
+    has no ``trim``: its state after a multi-token pass cannot be taken back. mlx-lm's speculative
+    loop trims the main model's cache after every rejected draft token.
+    * <= 0.31.1: nothing checks, ``trim_prompt_cache`` returns 0 and the loop ignores it: the
+      recurrent state keeps the rejected tokens and every hybrid speculation with a draft that
+      ever disagrees is silently wrong (with ``stream_generate(draft_model=...)`` and
+      ``mlx_lm.generate --draft-model`` too).
+    * >= 0.31.2: refused: ``ValueError: Speculative decoding requires a trimmable prompt cache``.
+    The published fix (PR #1254) resets the state to zero on trim: every later token changes.
+
+Fix
+    Inside ``speculative_generate_step`` only, each model that has recurrent caches runs through
+    a :class:`~mlx_lm_patches.journal.Journal`: before each forward pass the recurrent states
+    are kept by reference, and a trim restores the newest kept state at or before the target,
+    trims the attention caches to the same position and re-runs the accepted tokens through the
+    model's own forward (what a cold prefill computes). Draft passes are one token long, so draft
+    trims only restore. While the journal is attached, ``ArraysCache.is_trimmable()`` is true
+    (the >= 0.31.2 gate passes), ``ArraysCache.nbytes`` includes the kept states, and
+    ``trim_prompt_cache`` on its cache list goes through the journal: all layers move together or
+    none does, and a trim it cannot do exactly raises ``RollbackRefused`` rather than being
+    ignored. Outside that (a bare ``ArraysCache``, caches after the generator ends) nothing is
+    trimmable, as in stock mlx-lm: never a reset. The loop itself stays mlx-lm's. Kept states
+    are bounded by ``num_draft_tokens + 1`` tokens and ``MLX_LM_PATCHES_ROLLBACK_SNAPSHOTS``.
+    Cost: nothing on a fully accepted round; one forward pass of the accepted tokens after a
+    rejection.
+
+Affected
+    Every supported release (0.28.4 - 0.32.2); the probe decides on newer ones.
+
+Upstream
+    https://github.com/ml-explore/mlx-lm/blob/v0.32.2/mlx_lm/generate.py (``speculative_generate_step``);
+    https://github.com/ml-explore/mlx-lm/pull/1254 (reset on trim: inexact);
+    https://github.com/ml-explore/mlx-lm/pull/1111 (snapshot and replay).
+
+Retire
+    When every supported mlx-lm trims recurrent caches exactly (or refuses) on its own.
+
+Metal
+    The replay is the model's own forward pass, so it runs the same kernels a cold prefill runs
+    (gated-delta and SSM Metal kernels included). On GPU the greedy reference decodes one token
+    at a time (Mamba2 uses ``ssm_update_kernel`` for single tokens) while verify and replay
+    passes process several, so expect ~1e-6 rounding differences there, as for dense models.
+"""
+
+import sys
+
+from ..scenarios import Outcome
+
+CACHE = "mlx_lm.models.cache"
+GENERATE = "mlx_lm.generate"
+
+
+def _is_trimmable(self):
+    from ..journal import journal_of_cache
+
+    return journal_of_cache(self) is not None
+
+
+def _trim(self, n):
+    """A recurrent layer cannot go back alone: a cache list goes back as a unit through
+    ``trim_prompt_cache``. Alone, trimming is refused (0) - never a reset."""
+    return 0
+
+
+def _nbytes_with_journal(stock):
+    def nbytes(self):
+        from ..journal import journal_of_cache
+
+        journal = journal_of_cache(self)
+        base = stock.__get__(self, type(self))
+        return base + (journal.retained_nbytes(self) if journal is not None else 0)
+
+    return property(nbytes)
+
+
+def _trim_prompt_cache(wrapped, instance, args, kwargs):
+    from ..journal import journal_of
+    from ..speculative import bind_arguments
+
+    bound = bind_arguments(wrapped, args, kwargs)
+    cache, n = bound.arguments["cache"], bound.arguments["num_tokens"]
+    journal = journal_of(cache) if cache else None
+    if journal is None:
+        return wrapped(*args, **kwargs)
+    return journal.trim(cache, n)
+
+
+class _JournaledModel:
+    """A model inside the speculative loop: its caches are journaled (see journal.py)."""
+
+    def __init__(self, model, caches, window):
+        from ..journal import Journal, has_recurrent_state
+
+        self._model = model
+        self._caches = caches
+        self.journal = Journal(model, caches, window, strict=True) if has_recurrent_state(caches) else None
+
+    def make_cache(self):
+        return self._caches
+
+    def __call__(self, inputs, cache=None, **kwargs):
+        if self.journal is not None and cache is not None and self.journal.covers(cache):
+            return self.journal.forward(inputs, cache, **kwargs)
+        return self._model(inputs, cache=cache, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+
+def _speculative_with_rollback(wrapped, instance, args, kwargs):
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from ..journal import has_recurrent_state
+    from ..speculative import bind_arguments, split_prompt_cache
+
+    bound = bind_arguments(wrapped, args, kwargs)
+    model, draft_model = bound.arguments["model"], bound.arguments["draft_model"]
+    prompt_cache = bound.arguments.get("prompt_cache")
+    if prompt_cache is None:
+        main, draft = make_prompt_cache(model), make_prompt_cache(draft_model)
+    else:
+        main, draft = split_prompt_cache(model, draft_model, prompt_cache)
+    if not (has_recurrent_state(main) or has_recurrent_state(draft)):
+        return wrapped(*args, **kwargs)
+    window = int(bound.arguments.get("num_draft_tokens") or 2) + 1
+    views = _JournaledModel(model, main, window), _JournaledModel(draft_model, draft, window)
+    bound.arguments.update(model=views[0], draft_model=views[1], prompt_cache=None)
+    return _detach_when_done(wrapped(*bound.args, **bound.kwargs), views)
+
+
+def _detach_when_done(steps, views):
+    try:
+        yield from steps
+    finally:
+        steps.close()
+        for view in views:
+            if view.journal is not None:
+                view.journal.detach()
+
+
+def probe():
+    import mlx.core as mx
+
+    cache = sys.modules[CACHE].ArraysCache(1)
+    cache[0] = mx.ones((1, 2))
+    if not cache.is_trimmable():
+        return "ArraysCache is not trimmable: hybrid speculative decoding is refused or silently wrong"
+    state = cache[0]
+    if cache.trim(1) and (cache[0] is None or not mx.array_equal(cache[0], state).item()):
+        return "ArraysCache.trim resets the recurrent state (inexact)"
+    return None
+
+
+def apply(p):
+    arrays_cache = p.module(CACHE).ArraysCache
+    p.set(f"{CACHE}:ArraysCache.is_trimmable", _is_trimmable)
+    p.set(f"{CACHE}:ArraysCache.trim", _trim)
+    stock_nbytes = vars(arrays_cache).get("nbytes")
+    if isinstance(stock_nbytes, property):
+        p.set(f"{CACHE}:ArraysCache.nbytes", _nbytes_with_journal(stock_nbytes))
+    p.wrap(f"{CACHE}:trim_prompt_cache", _trim_prompt_cache)
+    # 0.32.x generate.py imports trim_prompt_cache by name; older releases call cache.trim_prompt_cache.
+    if "trim_prompt_cache" in vars(sys.modules.get(GENERATE) or object):
+        p.wrap(f"{GENERATE}:trim_prompt_cache", _trim_prompt_cache)
+    p.wrap(f"{GENERATE}:speculative_generate_step", _speculative_with_rollback)
+
+
+def scenario():
+    """Hybrid main models speculating with a rejecting hybrid draft and a dense draft."""
+    from ..scenarios import greedy, prompt_tokens, speculative_greedy
+    from ..testing.tiny_models import available_model_types, build_tiny_model
+
+    details = []
+    for model_type in [t for t in ("qwen3_next", "lfm2", "mamba2") if t in available_model_types()]:
+        model = build_tiny_model(model_type, seed=1)
+        prompt = prompt_tokens(13, seed=3)
+        reference = greedy(model, prompt, max_tokens=10)
+        for label, draft in (
+            ("rejecting hybrid draft", build_tiny_model(model_type, seed=7)),
+            ("dense draft", build_tiny_model("llama", seed=2)),
+        ):
+            try:
+                got = speculative_greedy(model, draft, prompt, max_tokens=10, num_draft_tokens=3)
+            except Exception as exc:
+                return Outcome.failure(f"{model_type} with a {label}", exc)
+            problem = reference.compare(got)
+            if problem:
+                return Outcome.failure(f"{model_type} with a {label}: {problem}")
+            details.append(f"{model_type}, {label}: equal to greedy decoding")
+    return Outcome(True, "hybrid speculative decoding exact (rejected drafts rolled back)", details)

@@ -1,0 +1,57 @@
+"""Shared by the speculative-decoding patches: splitting a supplied prompt cache between the main
+and the draft model, and a stand-in that hands mlx-lm's own speculative loop given caches.
+
+mlx-lm's ``speculative_generate_step`` builds its caches with ``make_prompt_cache(model)`` when
+no ``prompt_cache`` is passed, and ``make_prompt_cache`` calls ``model.make_cache()``. So passing
+``prompt_cache=None`` and a stand-in whose ``make_cache()`` returns the caches we chose runs the
+stock loop, unchanged, on those caches.
+"""
+
+
+def cache_count(model) -> int:
+    """How many prompt-cache entries ``make_prompt_cache(model)`` gives this model."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    return len(make_prompt_cache(model))
+
+
+def split_prompt_cache(model, draft_model, prompt_cache):
+    """``(main, draft)`` parts of a prompt cache built as
+    ``make_prompt_cache(model) + make_prompt_cache(draft_model)``; a clear error otherwise."""
+    n_main, n_draft = cache_count(model), cache_count(draft_model)
+    if len(prompt_cache) != n_main + n_draft:
+        raise ValueError(
+            f"prompt_cache has {len(prompt_cache)} entries, but speculative decoding expects "
+            f"make_prompt_cache(model) + make_prompt_cache(draft_model): {n_main} + {n_draft}"
+        )
+    return list(prompt_cache[:n_main]), list(prompt_cache[n_main:])
+
+
+class ModelWithCaches:
+    """Stands in for ``model``: ``make_cache()`` returns ``caches``; calls and every other
+    attribute are the model's own."""
+
+    def __init__(self, model, caches):
+        self._model = model
+        self._caches = caches
+
+    def make_cache(self):
+        return self._caches
+
+    def __call__(self, *args, **kwargs):
+        return self._model(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def __repr__(self):
+        return f"<{type(self).__name__} of {type(self._model).__name__}>"
+
+
+def bind_arguments(function, args, kwargs):
+    """``inspect.signature(function).bind`` with defaults applied, as an editable dict."""
+    import inspect
+
+    bound = inspect.signature(function).bind(*args, **kwargs)
+    bound.apply_defaults()
+    return bound

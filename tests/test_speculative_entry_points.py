@@ -1,0 +1,76 @@
+"""Speculative decoding of a hybrid model where users run it: ``stream_generate(...,
+draft_model=...)`` and ``mlx_lm.generate --draft-model``, on model folders written to disk
+(safetensors, config.json, a locally built tokenizer), against the same entry point without a
+draft. With a hybrid draft that disagrees with the main model, a dense draft, and the main model
+as its own draft (every draft token accepted)."""
+
+import pytest
+
+import mlx_lm_patches
+from mlx_lm_patches.testing.model_folder import write_model_folder
+from mlx_lm_patches.testing.tiny_models import DENSE_MODEL_TYPE, build_tiny_model, tiny_config
+
+mlx_lm_patches.apply()
+
+MAIN = "qwen3_next"
+PROMPT = "the quick brown fox jumps over"
+# The self-draft is the main model itself: every draft token is accepted.
+DRAFTS = {"hybrid-draft": (MAIN, 7), "dense-draft": (DENSE_MODEL_TYPE, 2), "self-draft": (MAIN, 1)}
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("speculative")
+    out = {"main": write_model_folder(root / "main", build_tiny_model(MAIN, seed=1), tiny_config(MAIN))}
+    for name, (model_type, seed) in DRAFTS.items():
+        out[name] = write_model_folder(root / name, build_tiny_model(model_type, seed=seed), tiny_config(model_type))
+    return out
+
+
+def _stream(model, tokenizer, **kwargs):
+    from mlx_lm.generate import stream_generate
+
+    return [(r.token, r.logprobs, getattr(r, "from_draft", False))
+            for r in stream_generate(model, tokenizer, PROMPT, max_tokens=14, **kwargs)]
+
+
+@pytest.mark.parametrize("draft", sorted(DRAFTS))
+def test_stream_generate_with_a_draft_model(folders, draft):
+    import mlx.core as mx
+    from mlx_lm import load
+
+    model, tokenizer = load(str(folders["main"]))
+    draft_model, _ = load(str(folders[draft]))
+    reference = _stream(model, tokenizer)
+    got = _stream(model, tokenizer, draft_model=draft_model, num_draft_tokens=3)
+    assert [t for t, _, _ in got] == [t for t, _, _ in reference]
+    worst = max(mx.abs(a - b).max().item() for (_, a, _), (_, b, _) in zip(reference, got))
+    assert worst <= 1e-4
+    if draft == "self-draft":
+        assert sum(from_draft for _, _, from_draft in got) >= len(got) // 2
+
+
+def _cli(*args):
+    """The ``mlx_lm.generate`` console script of this venv (the documented command)."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import Ran, clean_env
+
+    script = os.path.join(os.path.dirname(sys.executable), "mlx_lm.generate")
+    proc = subprocess.run([script, "--prompt", PROMPT, "--max-tokens", "14", "--verbose", "False", *args],
+                          capture_output=True, text=True, timeout=300, env=clean_env(), cwd="/")
+    ran = Ran(proc.returncode, proc.stdout, proc.stderr)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    return ran.stdout
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize("draft", sorted(DRAFTS))
+def test_generate_cli_with_draft_model(folders, draft):
+    reference = _cli("--model", str(folders["main"]))
+    got = _cli("--model", str(folders["main"]), "--draft-model", str(folders[draft]),
+               "--num-draft-tokens", "3")
+    assert reference.strip(), "the reference run printed nothing"
+    assert got == reference
