@@ -48,7 +48,8 @@ def assert_restored(snap):
 
 
 def assert_not_double_wrapped():
-    """No object we installed wraps another object we installed, anywhere under the targets."""
+    """No patch wraps its own object twice, anywhere under the targets (two different patches
+    may stack on one target, e.g. both speculative patches on speculative_generate_step)."""
     seen = 0
     for _, target in _targets():
         owner, attr = owner_of_or_none(target)
@@ -60,8 +61,11 @@ def assert_not_double_wrapped():
         for obj in candidates:
             if installed_by(obj):
                 seen += 1
-                inner = getattr(obj, "__wrapped__", None)
-                assert inner is None or not isinstance(getattr(inner, TAG, None), str), f"{target} double wrapped"
+                ids, inner = [installed_by(obj)], getattr(obj, "__wrapped__", None)
+                while inner is not None and isinstance(getattr(inner, TAG, None), str):
+                    ids.append(getattr(inner, TAG))
+                    inner = getattr(inner, "__wrapped__", None)
+                assert len(ids) == len(set(ids)), f"{target} double wrapped: {ids}"
     return seen
 
 

@@ -50,27 +50,49 @@ def test_stream_generate_with_a_draft_model(folders, draft):
         assert sum(from_draft for _, _, from_draft in got) >= len(got) // 2
 
 
-def _cli(*args):
-    """The ``mlx_lm.generate`` console script of this venv (the documented command)."""
+def _cli(*args, form="console-script", env=None):
+    """The ``mlx_lm.generate`` console script of this venv (the documented command), or
+    ``python -m mlx_lm.generate`` (deprecated upstream, still common)."""
     import os
     import subprocess
     import sys
 
     from conftest import Ran, clean_env
 
-    script = os.path.join(os.path.dirname(sys.executable), "mlx_lm.generate")
-    proc = subprocess.run([script, "--prompt", PROMPT, "--max-tokens", "14", "--verbose", "False", *args],
-                          capture_output=True, text=True, timeout=300, env=clean_env(), cwd="/")
+    if form == "console-script":
+        command = [os.path.join(os.path.dirname(sys.executable), "mlx_lm.generate")]
+    else:
+        command = [sys.executable, "-m", "mlx_lm.generate"]
+    proc = subprocess.run([*command, "--prompt", PROMPT, "--max-tokens", "14", "--verbose", "False", *args],
+                          capture_output=True, text=True, timeout=300, env=clean_env(**(env or {})), cwd="/")
     ran = Ran(proc.returncode, proc.stdout, proc.stderr)
     assert ran.returncode == 0, ran.stderr[-3000:]
     return ran.stdout
 
 
 @pytest.mark.subprocess
+@pytest.mark.parametrize("form", ["console-script", "python -m"])
 @pytest.mark.parametrize("draft", sorted(DRAFTS))
-def test_generate_cli_with_draft_model(folders, draft):
+def test_generate_cli_with_draft_model(folders, draft, form):
     reference = _cli("--model", str(folders["main"]))
     got = _cli("--model", str(folders["main"]), "--draft-model", str(folders[draft]),
-               "--num-draft-tokens", "3")
+               "--num-draft-tokens", "3", form=form)
     assert reference.strip(), "the reference run printed nothing"
     assert got == reference
+
+
+@pytest.mark.subprocess
+def test_python_dash_m_runs_the_patched_module(folders):
+    """``python -m mlx_lm.generate`` would run a second, unpatched copy of generate.py as
+    ``__main__``; with the package active it runs the imported (patched) module's ``main()``.
+    With ``MLX_LM_PATCHES=0`` the stock behaviour is untouched (its deprecation notice shows)."""
+    args = ("--model", str(folders["main"]), "--draft-model", str(folders["hybrid-draft"]))
+    assert "deprecated" not in _cli(*args, form="python -m")
+    import subprocess
+    import sys
+
+    from conftest import clean_env
+
+    stock = subprocess.run([sys.executable, "-m", "mlx_lm.generate", "--help"], capture_output=True,
+                           text=True, env=clean_env(MLX_LM_PATCHES="0"), cwd="/")
+    assert "deprecated" in stock.stdout

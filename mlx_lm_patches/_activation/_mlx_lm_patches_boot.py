@@ -78,6 +78,48 @@ def _activate(source, late):
         sys.stderr.write(f"mlx-lm-patches: automatic activation failed: {exc!r}\n")
 
 
+def _dash_m_module():
+    """``mlx_lm.X`` when this interpreter was started as ``python -m mlx_lm.X``, else ``None``."""
+    argv = getattr(sys, "orig_argv", None) or []
+    for i, arg in enumerate(argv[1:], 1):
+        if arg == "-m" and i + 1 < len(argv):
+            name = argv[i + 1]
+            break
+        if arg.startswith("-m") and len(arg) > 2:
+            name = arg[2:]
+            break
+        if not arg.startswith("-"):
+            return None  # a script or -c: not -m
+    else:
+        return None
+    return name if name.startswith("mlx_lm.") and name.count(".") == 1 else None
+
+
+def _run_as_console_script(name):
+    """``python -m mlx_lm.generate`` (deprecated upstream) executes a *second* copy of
+    generate.py as ``__main__``, beside the ``mlx_lm.generate`` that ``import mlx_lm`` loads and
+    that the patches fix; the copy would run unpatched. Run it the way mlx-lm's console script
+    ``mlx_lm.generate`` does instead: ``main()`` of the imported module."""
+    import runpy
+
+    stock = runpy._run_module_as_main
+
+    def _run_module_as_main(mod_name, alter_argv=True):
+        if mod_name != name:
+            return stock(mod_name, alter_argv)
+        import importlib
+
+        module = importlib.import_module(mod_name)
+        main = getattr(module, "main", None)
+        if not callable(main):
+            return stock(mod_name, alter_argv)
+        if alter_argv:
+            sys.argv[0] = module.__file__
+        sys.exit(main())
+
+    runpy._run_module_as_main = _run_module_as_main
+
+
 def arm(source="pth"):
     """Arm automatic activation (idempotent; never raises)."""
     global _armed_by
@@ -89,6 +131,9 @@ def arm(source="pth"):
             _activate(source, late=True)
         else:
             sys.meta_path.insert(0, _MlxLmImportFinder(source))
+            name = _dash_m_module()
+            if name is not None:
+                _run_as_console_script(name)
     except Exception as exc:
         sys.stderr.write(f"mlx-lm-patches: could not arm automatic activation: {exc!r}\n")
 
