@@ -59,6 +59,8 @@ def speculation(model_types, args):
         speedups = {}
         for model_type in model_types:
             model = build_tiny_model(model_type, seed=0)
+            greedy(model, prompt, max_tokens=4)  # warm up
+            speculative_greedy(model, PerturbedDraft(model, every), prompt, max_tokens=4)
             t_ref, ref = _timed(lambda: greedy(model, prompt, max_tokens=args.tokens), args.repeats)
             draft = PerturbedDraft(model, every)
             t_spec, got = _timed(lambda: speculative_greedy(
@@ -133,7 +135,7 @@ def main():
     parser.add_argument("--num-draft", type=int, default=3)
     parser.add_argument("--perturb", type=int, nargs="+", default=[0, 8, 4])
     parser.add_argument("--context", type=int, default=512)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
 
     import mlx_lm_patches

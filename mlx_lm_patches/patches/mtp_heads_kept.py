@@ -1,0 +1,105 @@
+"""Checkpoints with multi-token-prediction (MTP) tensors load, with the backbone intact and the
+MTP head kept (Qwen3-Next, Qwen3.5/3.6 dense and MoE).
+
+Bug
+    mlx-lm has no module for the MTP head that Qwen3-Next and Qwen3.5/3.6 checkpoints carry, and
+    its ``sanitize`` methods handle the ``mtp.*`` tensors badly (docs/research/mtp.md, measured):
+    * qwen3_next, MLX-format weights (every release): ``sanitize`` returns before its ``mtp.``
+      filter, so loading fails: ``Received N parameters not in model``.
+    * qwen3_5 / qwen3_5_moe 0.30.7 - 0.31.3: the presence of ``mtp.*`` keys makes ``sanitize``
+      treat MLX-format weights as HF ones and add 1.0 to every backbone norm weight - a
+      silently corrupted model.
+    * nemotron_h <= 0.31.1: no filter at all, the load fails like qwen3_next.
+    * everywhere else the head is dropped without a word; an ``mtp.safetensors`` sidecar is
+      never read.
+
+Fix
+    Wrap each family's ``Model.sanitize`` so the ``mtp.`` tensors are set aside before the stock
+    code sees them (that alone removes the crash and the corruption), and wrap
+    ``mlx_lm.utils.load_model`` - the function every load path goes through - to build the head
+    from the family's own decoder-layer class, convert the tensors to mlx-lm's layout (per
+    tensor: key prefixes, per-expert/fused/stacked experts, zero-centred or shifted norms),
+    quantize exactly the layers stored quantized, and load it strictly. The head is attached as
+    ``model.mtp`` outside the parameter tree; ``model.mtp_status`` says what happened (kept, no
+    head, declared but missing, which tensors are missing, or not kept for this family).
+
+Affected
+    Every supported release (0.28.4 - 0.32.2); the probe decides on newer ones.
+
+Upstream
+    https://github.com/ml-explore/mlx-lm/blob/v0.32.2/mlx_lm/models/qwen3_next.py (``sanitize``);
+    https://github.com/ml-explore/mlx-lm/blob/v0.31.3/mlx_lm/models/qwen3_5.py (norm shift);
+    https://github.com/ml-explore/mlx-lm/pull/990 (MTP support, open).
+
+Retire
+    When mlx-lm keeps MTP heads itself in every supported release.
+
+Metal
+    Loading only; no kernel involved.
+"""
+
+from ..scenarios import Outcome
+
+UTILS = "mlx_lm.utils"
+FAMILY_MODULES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "nemotron_h")
+
+
+def _sanitize_without_mtp(wrapped, instance, args, kwargs):
+    from ..mtp_heads import split, stash
+
+    weights = args[0] if args else kwargs.pop("weights")
+    backbone, mtp = split(weights)
+    if instance is not None:
+        stash(instance, mtp)
+    return wrapped(backbone, *args[1:], **kwargs)
+
+
+def _load_model_with_mtp(wrapped, instance, args, kwargs):
+    from ..mtp_heads import attach
+
+    model, config = wrapped(*args, **kwargs)
+    model_path = args[0] if args else kwargs.get("model_path")
+    lazy = args[1] if len(args) > 1 else kwargs.get("lazy", False)
+    attach(model, model_path, config, lazy=lazy)
+    return model, config
+
+
+def probe():
+    from mlx_lm.models import qwen3_next
+
+    if hasattr(qwen3_next.Model, "mtp_forward") or hasattr(qwen3_next.Model, "mtp"):
+        return None
+    return "qwen3_next has no MTP module: MTP tensors crash the load or are dropped"
+
+
+def apply(p):
+    import importlib.util
+
+    for family in FAMILY_MODULES:
+        if importlib.util.find_spec(f"mlx_lm.models.{family}") is not None:
+            p.wrap(f"mlx_lm.models.{family}:Model.sanitize", _sanitize_without_mtp)
+    p.wrap(f"{UTILS}:load_model", _load_model_with_mtp)
+
+
+def scenario():
+    """A Qwen3-Next checkpoint carrying an MTP head loads; head and backbone round-trip."""
+    import tempfile
+
+    from ..testing.mtp_checkpoints import check_loaded, write_mtp_checkpoint
+
+    from mlx_lm import load
+
+    details = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for form in ("mlx", "hf"):
+            written = write_mtp_checkpoint(tmp, "qwen3_next", form=form)
+            try:
+                model, _ = load(str(written.folder))
+            except Exception as exc:
+                return Outcome.failure(f"qwen3_next {form}-format checkpoint with an MTP head", exc)
+            problem = check_loaded(model, written)
+            if problem:
+                return Outcome.failure(f"qwen3_next {form}-format checkpoint: {problem}")
+            details.append(f"qwen3_next {form} format: backbone intact, all MTP tensors kept")
+    return Outcome(True, "MTP heads kept at load; backbone intact", details)
+

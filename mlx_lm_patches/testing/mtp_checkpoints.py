@@ -1,0 +1,188 @@
+"""Tiny checkpoints carrying a multi-token-prediction head, written to disk (never downloaded).
+
+``write_mtp_checkpoint(root, family, form=..., quantized=..., placement=...)`` writes a model
+folder for ``qwen3_next``, ``qwen3_5`` or ``qwen3_5_moe`` (random weights, local tokenizer) whose
+weights include an MTP head:
+
+* ``form="mlx"``: mlx-lm's own layout (what ``mlx_lm.convert`` and community MLX conversions
+  write); ``form="hf"``: the Hugging Face layout (conv1d axes, zero-centred norms, per-expert
+  experts for Qwen3-Next, fused experts for Qwen3.5-MoE, ``model.language_model.`` prefixes);
+* ``quantized=True``: 4-bit, group size 32, where the layer's input size allows (MLX form);
+* ``placement``: ``"shards"`` (in the model shards), ``"sidecar"`` (an ``mtp.safetensors`` the
+  index does not list) or ``"model-mtp"`` (a ``model-mtp.safetensors`` file);
+* ``declare``: whether config.json declares the MTP layers; ``drop``: MTP tensors left out.
+
+``nemotron_h`` gets a few ``mtp.*`` tensors of its HF layout only (the head itself is not kept
+yet). :func:`check_loaded` compares a loaded model with what was written.
+"""
+
+import copy
+import pathlib
+from dataclasses import dataclass, field
+
+GROUP_SIZE, BITS = 32, 4
+QWEN_NORM_SUFFIXES = (".input_layernorm.weight", ".post_attention_layernorm.weight",
+                      "model.norm.weight", ".q_norm.weight", ".k_norm.weight")
+
+
+@dataclass
+class Written:
+    folder: pathlib.Path
+    family: str
+    backbone: dict  # MLX parameter name -> array as stored (bf16 / quantized)
+    head: dict = field(default_factory=dict)  # MTP head parameter name (MLX layout) -> array
+
+
+def _random_like(params, seed):
+    import mlx.core as mx
+
+    out = {}
+    for i, (key, value) in enumerate(sorted(params.items())):
+        if not mx.issubdtype(value.dtype, mx.floating):
+            out[key] = value
+            continue
+        noise = 0.05 * mx.random.normal(value.shape, key=mx.random.key(seed + i))
+        out[key] = noise + 1.0 if "norm" in key and value.ndim == 1 else noise
+    return out
+
+
+def _quantizable(path, module):
+    return hasattr(module, "to_quantized") and module.weight.shape[-1] % GROUP_SIZE == 0
+
+
+def _bf16(params):
+    import mlx.core as mx
+
+    return {k: v.astype(mx.bfloat16) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in params.items()}
+
+
+def _to_hf(family, params, *, shift_suffixes=QWEN_NORM_SUFFIXES, shift_all_norms=False):
+    """Invert mlx-lm's sanitize for the Qwen families (enough for these tiny models)."""
+    import mlx.core as mx
+
+    out, fused = {}, {}
+    for key, value in params.items():
+        if family in ("qwen3_5", "qwen3_5_moe"):
+            if key.startswith("language_model.model."):
+                key = "model.language_model." + key[len("language_model.model."):]
+            elif key.startswith("language_model."):
+                key = key[len("language_model."):]
+        if "conv1d.weight" in key and value.ndim == 3 and value.shape[-1] == 1:
+            value = value.moveaxis(2, 1)
+        is_norm = value.ndim == 1 and key.endswith(".weight") and "norm" in key.split(".")[-2]
+        if is_norm and (shift_all_norms or any(key.endswith(s) for s in shift_suffixes)):
+            value = value - 1.0
+        if ".switch_mlp." in key:
+            prefix, rest = key.split(".switch_mlp.")
+            proj = rest.split(".")[0]
+            if family == "qwen3_5_moe":
+                fused.setdefault(prefix, {})[proj] = value
+            else:
+                for e in range(value.shape[0]):
+                    out[f"{prefix}.experts.{e}.{proj}.weight"] = value[e]
+            continue
+        out[key] = value
+    for prefix, parts in fused.items():
+        out[f"{prefix}.experts.gate_up_proj"] = mx.concatenate([parts["gate_proj"], parts["up_proj"]], axis=-2)
+        out[f"{prefix}.experts.down_proj"] = parts["down_proj"]
+    return out
+
+
+def _declare(config, family, layers):
+    config = copy.deepcopy(config)
+    if family in ("qwen3_5", "qwen3_5_moe"):
+        config["text_config"]["mtp_num_hidden_layers"] = layers
+    else:
+        config["num_nextn_predict_layers"] = layers
+    return config
+
+
+def write_mtp_checkpoint(root, family, *, form="mlx", quantized=False, placement="shards",
+                         declare=True, drop=(), name=None) -> Written:
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+
+    from ..mtp_heads import build
+    from .model_folder import write_model_folder
+    from .tiny_models import build_tiny_model, tiny_config
+
+    config = tiny_config(family)
+    model = build_tiny_model(family, seed=0)
+    folder = pathlib.Path(root) / (name or f"{family}-{form}{'-q4' if quantized else ''}-{placement}")
+    if family == "nemotron_h":
+        hidden = config["hidden_size"]
+        head_tensors = {"mtp.layers.0.enorm.weight": mx.ones((hidden,)),
+                        "mtp.layers.0.hnorm.weight": mx.ones((hidden,)),
+                        "mtp.layers.0.eh_proj.weight": mx.zeros((hidden, 2 * hidden))}
+        backbone = _bf16(dict(tree_flatten(model.parameters())))
+        write_model_folder(folder, model, _declare(config, family, 1) if declare else config,
+                           dtype=mx.bfloat16, extra_tensors=head_tensors)
+        return Written(folder, family, backbone)
+
+    head = build(model, 1)
+    head.load_weights(list(_random_like(dict(tree_flatten(head.parameters())), seed=1000).items()))
+    if quantized:
+        nn.quantize(model, group_size=GROUP_SIZE, bits=BITS, class_predicate=_quantizable)
+        nn.quantize(head, group_size=GROUP_SIZE, bits=BITS, class_predicate=_quantizable)
+        config = dict(config, quantization={"group_size": GROUP_SIZE, "bits": BITS})
+    mx.eval(model.parameters(), head.parameters())
+    backbone = _bf16(dict(tree_flatten(model.parameters())))
+    head_params = _bf16(dict(tree_flatten(head.parameters())))
+    if form == "hf":
+        weights = _to_hf(family, backbone)
+        mtp = {f"mtp.{k}": v for k, v in _to_hf(family, head_params, shift_all_norms=True).items()}
+    else:
+        weights = backbone
+        mtp = {f"mtp.{k}": v for k, v in head_params.items()}
+    mtp = {k: v for k, v in mtp.items() if k not in set(drop)}
+    extra_files = {}
+    if placement == "sidecar":
+        extra_files["mtp.safetensors"] = mtp
+    elif placement == "model-mtp":
+        extra_files["model-mtp.safetensors"] = mtp
+    else:
+        weights = dict(weights, **mtp)
+    # An empty module plus every tensor as extra_tensors lets any key layout through.
+    write_model_folder(folder, nn.Module(), _declare(config, family, 1) if declare else config,
+                       vocab_size=_vocab(config), dtype=mx.bfloat16, extra_tensors=weights,
+                       extra_files=extra_files)
+    return Written(folder, family, backbone, head_params)
+
+
+def _vocab(config):
+    return config.get("vocab_size") or config["text_config"]["vocab_size"]
+
+
+def _differences(got, want, what):
+    import mlx.core as mx
+
+    problems = []
+    for key, value in want.items():
+        have = got.get(key)
+        if have is None:
+            problems.append(f"{what} {key} missing")
+        elif have.shape != value.shape:
+            problems.append(f"{what} {key} shape {have.shape} != {value.shape}")
+        else:
+            diff = mx.abs(have.astype(mx.float32) - value.astype(mx.float32)).max().item()
+            if diff > 1e-2:
+                problems.append(f"{what} {key} differs by {diff:.3g}")
+    extra = sorted(set(got) - set(want))
+    if extra:
+        problems.append(f"{what}: unexpected {extra[:5]}")
+    return problems
+
+
+def check_loaded(model, written: Written):
+    """``None`` if ``model`` has exactly the written backbone and (where kept) MTP head."""
+    from mlx.utils import tree_flatten
+
+    problems = _differences(dict(tree_flatten(model.parameters())), written.backbone, "backbone")
+    if written.head:
+        head = getattr(model, "mtp", None)
+        if head is None:
+            problems.append(f"no MTP head ({getattr(model, 'mtp_status', 'no mtp_status')})")
+        else:
+            problems += _differences(dict(tree_flatten(head.parameters())), written.head, "mtp")
+    return "; ".join(problems[:6]) or None
