@@ -61,6 +61,10 @@ def _load_model_with_mtp(wrapped, instance, args, kwargs):
     model_path = args[0] if args else kwargs.get("model_path")
     lazy = args[1] if len(args) > 1 else kwargs.get("lazy", False)
     attach(model, model_path, config, lazy=lazy)
+    if getattr(model, "model_type", None) in ("qwen3_next", "qwen3_5", "qwen3_5_moe"):
+        from ..mtp_decoding import add_interface
+
+        add_interface(model)
     return model, config
 
 

@@ -10,7 +10,9 @@ weights include an MTP head:
 * ``quantized=True``: 4-bit, group size 32, where the layer's input size allows (MLX form);
 * ``placement``: ``"shards"`` (in the model shards), ``"sidecar"`` (an ``mtp.safetensors`` the
   index does not list) or ``"model-mtp"`` (a ``model-mtp.safetensors`` file);
-* ``declare``: whether config.json declares the MTP layers; ``drop``: MTP tensors left out.
+* ``declare``: whether config.json declares the MTP layers; ``drop``: MTP tensors left out;
+  ``dtype``: of the floating-point tensors written (default ``"bfloat16"``; ``"float32"`` for
+  decoding on CPU, where mlx's MoE kernels need float32).
 
 ``nemotron_h`` gets a few ``mtp.*`` tensors of its HF layout only (the head itself is not kept
 yet). :func:`check_loaded` compares a loaded model with what was written.
@@ -50,10 +52,10 @@ def _quantizable(path, module):
     return hasattr(module, "to_quantized") and module.weight.shape[-1] % GROUP_SIZE == 0
 
 
-def _bf16(params):
+def _cast(params, dtype):
     import mlx.core as mx
 
-    return {k: v.astype(mx.bfloat16) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in params.items()}
+    return {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in params.items()}
 
 
 def _to_hf(family, params, *, shift_suffixes=QWEN_NORM_SUFFIXES, shift_all_norms=False):
@@ -98,7 +100,7 @@ def _declare(config, family, layers):
 
 
 def write_mtp_checkpoint(root, family, *, form="mlx", quantized=False, placement="shards",
-                         declare=True, drop=(), name=None) -> Written:
+                         declare=True, drop=(), name=None, dtype="bfloat16") -> Written:
     import mlx.core as mx
     import mlx.nn as nn
     from mlx.utils import tree_flatten
@@ -107,6 +109,7 @@ def write_mtp_checkpoint(root, family, *, form="mlx", quantized=False, placement
     from .model_folder import write_model_folder
     from .tiny_models import build_tiny_model, tiny_config
 
+    dtype = getattr(mx, dtype)
     config = tiny_config(family)
     model = build_tiny_model(family, seed=0)
     folder = pathlib.Path(root) / (name or f"{family}-{form}{'-q4' if quantized else ''}-{placement}")
@@ -115,9 +118,9 @@ def write_mtp_checkpoint(root, family, *, form="mlx", quantized=False, placement
         head_tensors = {"mtp.layers.0.enorm.weight": mx.ones((hidden,)),
                         "mtp.layers.0.hnorm.weight": mx.ones((hidden,)),
                         "mtp.layers.0.eh_proj.weight": mx.zeros((hidden, 2 * hidden))}
-        backbone = _bf16(dict(tree_flatten(model.parameters())))
+        backbone = _cast(dict(tree_flatten(model.parameters())), dtype)
         write_model_folder(folder, model, _declare(config, family, 1) if declare else config,
-                           dtype=mx.bfloat16, extra_tensors=head_tensors)
+                           dtype=dtype, extra_tensors=head_tensors)
         return Written(folder, family, backbone)
 
     head = build(model, 1)
@@ -127,8 +130,8 @@ def write_mtp_checkpoint(root, family, *, form="mlx", quantized=False, placement
         nn.quantize(head, group_size=GROUP_SIZE, bits=BITS, class_predicate=_quantizable)
         config = dict(config, quantization={"group_size": GROUP_SIZE, "bits": BITS})
     mx.eval(model.parameters(), head.parameters())
-    backbone = _bf16(dict(tree_flatten(model.parameters())))
-    head_params = _bf16(dict(tree_flatten(head.parameters())))
+    backbone = _cast(dict(tree_flatten(model.parameters())), dtype)
+    head_params = _cast(dict(tree_flatten(head.parameters())), dtype)
     if form == "hf":
         weights = _to_hf(family, backbone)
         mtp = {f"mtp.{k}": v for k, v in _to_hf(family, head_params, shift_all_norms=True).items()}
@@ -145,7 +148,7 @@ def write_mtp_checkpoint(root, family, *, form="mlx", quantized=False, placement
         weights = dict(weights, **mtp)
     # An empty module plus every tensor as extra_tensors lets any key layout through.
     write_model_folder(folder, nn.Module(), _declare(config, family, 1) if declare else config,
-                       vocab_size=_vocab(config), dtype=mx.bfloat16, extra_tensors=weights,
+                       vocab_size=_vocab(config), dtype=dtype, extra_tensors=weights,
                        extra_files=extra_files)
     return Written(folder, family, backbone, head_params)
 

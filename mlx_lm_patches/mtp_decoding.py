@@ -1,0 +1,314 @@
+"""Self-speculative decoding with a model's MTP head, through mlx-lm's own speculative loop.
+
+``draft = model.make_draft_model()`` (added by the ``mtp-heads-kept`` patch to models whose head
+was kept) returns an object usable as ``draft_model=`` in ``speculative_generate_step``,
+``stream_generate``, ``generate`` and the server. Output is always the main model's greedy
+output: every drafted token is verified by the main model (and hybrid main models go back
+exactly, see ``recurrent-rollback``); the head only decides how many tokens each main forward
+pass yields.
+
+How the draft sees the main model. mlx-lm feeds a draft model token ids only. So
+``make_draft_model()`` installs a *capture* on the main model (once): its final norm records its
+input and output (pre- and post-norm hidden states) and its forward records the position it
+started at and the token ids, by swapping the instance's ``__class__`` for a subclass - the
+parameter tree, the logits and the class name are unchanged. When the stock loop asks the draft
+for a token, the draft reads how far the main model has committed (the offset of its attention
+cache, after mlx-lm's trim), takes the main hidden state of the last committed position, and:
+
+* catches its MTP KV cache up over the committed positions it has not seen (one batched pass
+  pairing each true hidden state ``h_t`` with token ``x_{t+1}``), dropping the slots it
+  computed from its own recycled outputs in the previous round;
+* predicts the next token from ``h_{C-1}`` and the token it was given, then, for further draft
+  tokens in the round, from its own output hidden state (recycling) and its previous draft.
+
+Contract per family (defaults, configurable with ``make_draft_model(hidden=...)``): Qwen3-Next,
+Qwen3.5/3.6: ``fc(concat[pre_fc_norm_embedding(embed(x_{t+1})), pre_fc_norm_hidden(h_t)])``,
+then the MTP decoder layer(s) with their own KV cache, then ``norm``; ``h_t`` is the main
+model's *post*-final-norm hidden state; logits through the shared ``lm_head`` (or the tied
+embedding).
+
+``model.mtp_forward(hidden, next_ids, cache)``, ``model.make_mtp_cache()`` and
+``model.hidden_states`` (``{"pre": ..., "post": ...}`` of the last forward, once the capture is
+installed) are the lower-level interface engines built on mlx-lm call.
+"""
+
+import weakref
+from typing import List, Optional
+
+HIDDEN_KINDS = ("post", "pre")
+KEEP_POSITIONS = 8192  # captured hidden states kept at most (positions), per model
+
+
+class MTPUnavailable(RuntimeError):
+    """The model has no usable MTP head; the message says why (from ``model.mtp_status``)."""
+
+
+def _host(model):
+    """The module with ``model`` (inner transformer), ``lm_head`` and ``args`` of a Qwen family."""
+    return model if model.model_type == "qwen3_next" else model.language_model
+
+
+def _position_leaf(cache):
+    """The first attention cache of a prompt cache: its offset is the position."""
+    from .journal import flat_caches
+
+    for leaf in flat_caches(cache or []):
+        if isinstance(getattr(leaf, "offset", None), int):
+            return leaf
+    return None
+
+
+def _offset(cache) -> Optional[int]:
+    leaf = _position_leaf(cache)
+    return None if leaf is None else leaf.offset
+
+
+class _Forward:
+    __slots__ = ("start", "tokens", "post", "pre")
+
+    def __init__(self, start, tokens, post, pre):
+        self.start, self.tokens, self.post, self.pre = start, tokens, post, pre
+
+
+class HiddenCapture:
+    """Records, per forward pass of the main model: start position, token ids, hidden states."""
+
+    def __init__(self):
+        self.forwards: List[_Forward] = []
+        self.count = 0  # forward passes recorded so far
+        self._leaf = None  # weakref to the position leaf of the cache of the recorded passes
+        self._leaf_since = 0  # self.count when that cache was first seen
+        self._pending = None  # (pre, post) of the final norm during the current forward
+
+    def norm_called(self, pre, post):
+        self._pending = (pre, post)
+
+    def forward_done(self, inputs, cache, start):
+        import mlx.core as mx
+
+        pending, self._pending = self._pending, None
+        if pending is None or start is None or not isinstance(inputs, mx.array) or inputs.ndim != 2 \
+                or inputs.shape[0] != 1:
+            return
+        pre, post = pending
+        leaf = _position_leaf(cache)
+        current = self._leaf() if self._leaf is not None else None
+        if leaf is not current:  # another sequence: what was recorded no longer applies
+            self.forwards = []
+            self._leaf = weakref.ref(leaf) if leaf is not None else None
+            self._leaf_since = self.count
+        self.count += 1
+        end = start + inputs.shape[1]
+        # A new pass from `start` replaces what was recorded at or after it (trim + replay).
+        kept = []
+        for f in self.forwards:
+            if f.start >= start:
+                continue
+            if f.start + f.tokens.shape[1] > start:
+                cut = start - f.start
+                f = _Forward(f.start, f.tokens[:, :cut], f.post[:, :cut], f.pre[:, :cut])
+            kept.append(f)
+        kept.append(_Forward(start, inputs, post, pre))
+        while kept and end - kept[0].start > KEEP_POSITIONS and len(kept) > 1:
+            kept.pop(0)
+        self.forwards = kept
+
+    def committed(self, since=0) -> Optional[int]:
+        """How many positions the main model's cache holds now (after any trim), if that cache
+        was first used at or after forward pass number ``since``."""
+        leaf = self._leaf() if self._leaf is not None else None
+        if leaf is None or self._leaf_since < since:
+            return None
+        return leaf.offset
+
+    def span(self, first, last, kind):
+        """Hidden states at positions ``first..last-1`` and the token ids at ``first+1..last-1``
+        (``(h [1,n,H], x [1,n-1])``), or ``None`` if not all are recorded."""
+        import mlx.core as mx
+
+        if last <= first:
+            return None
+        hidden, tokens = [], []
+        for f in self.forwards:
+            lo, hi = max(first, f.start), min(last, f.start + f.tokens.shape[1])
+            if lo >= hi:
+                continue
+            hidden.append((f.pre if kind == "pre" else f.post)[:, lo - f.start:hi - f.start])
+            tokens.append(f.tokens[:, lo - f.start:hi - f.start])
+        if not hidden:
+            return None
+        h = mx.concatenate(hidden, axis=1) if len(hidden) > 1 else hidden[0]
+        x = mx.concatenate(tokens, axis=1) if len(tokens) > 1 else tokens[0]
+        if h.shape[1] != last - first:
+            return None
+        return h, x[:, 1:]
+
+
+def install_capture(model) -> HiddenCapture:
+    """Install (once) the hidden-state capture on ``model``; returns it."""
+    capture = model.__dict__.get("_mlx_lm_patches_capture")
+    if capture is not None:
+        return capture
+    capture = HiddenCapture()
+    norm = _host(model).model.norm
+    norm_class = type(norm)
+
+    def norm_call(self, x, *args, **kwargs):
+        out = norm_class.__call__(self, x, *args, **kwargs)
+        self.__dict__["_mlx_lm_patches_capture"].norm_called(x, out)
+        return out
+
+    norm.__dict__["_mlx_lm_patches_capture"] = capture
+    norm.__class__ = type(norm_class.__name__, (norm_class,), {"__call__": norm_call,
+                                                               "__module__": norm_class.__module__})
+    model_class = type(model)
+
+    def model_call(self, inputs, cache=None, **kwargs):
+        start = _offset(cache) if cache is not None else 0  # no cache: a forward from position 0
+        out = model_class.__call__(self, inputs, cache=cache, **kwargs)
+        self.__dict__["_mlx_lm_patches_capture"].forward_done(inputs, cache, start)
+        return out
+
+    model.__dict__["_mlx_lm_patches_capture"] = capture
+    model.__class__ = type(model_class.__name__, (model_class,), {"__call__": model_call,
+                                                                  "__module__": model_class.__module__})
+    return capture
+
+
+def hidden_states(model):
+    """``{"pre": ..., "post": ...}`` hidden states of the last forward (capture installed)."""
+    capture = install_capture(model)
+    if not capture.forwards:
+        return None
+    last = capture.forwards[-1]
+    return {"pre": last.pre, "post": last.post}
+
+
+def make_mtp_cache(model):
+    from mlx_lm.models.cache import KVCache
+
+    return [KVCache() for _ in _head(model).layers]
+
+
+def _head(model):
+    head = model.__dict__.get("mtp")
+    if head is None:
+        raise MTPUnavailable(
+            f"{type(model).__name__} ({getattr(model, 'model_type', '?')}) has no MTP head: "
+            f"{model.__dict__.get('mtp_status', 'the checkpoint was not loaded with mlx-lm-patches active')}"
+        )
+    return head
+
+
+def mtp_forward(model, hidden, next_ids, cache):
+    """One MTP pass: ``hidden`` [B,T,H] (main hidden at positions t), ``next_ids`` [B,T] (tokens
+    at t+1) -> ``(logits [B,T,V], mtp_hidden [B,T,H])``; ``cache`` from ``make_mtp_cache``."""
+    import mlx.core as mx
+    from mlx_lm.models.base import create_attention_mask
+
+    head, host = _head(model), _host(model)
+    embedded = head.pre_fc_norm_embedding(host.model.embed_tokens(next_ids))
+    z = head.fc(mx.concatenate([embedded, head.pre_fc_norm_hidden(hidden)], axis=-1))
+    mask = create_attention_mask(z, cache[0]) if cache else None
+    for layer, layer_cache in zip(head.layers, cache):
+        z = layer(z, mask=mask, cache=layer_cache)
+    out = head.norm(z)
+    if host.args.tie_word_embeddings:
+        logits = host.model.embed_tokens.as_linear(out)
+    else:
+        logits = host.lm_head(out)
+    return logits, out
+
+
+class MTPDraftCache:
+    """The draft's per-sequence state: the MTP KV caches and what they cover. Trimming is a
+    no-op that always succeeds: the draft re-synchronises with the main model on every call."""
+
+    def __init__(self, kv, since):
+        self.kv = kv
+        self.since = since  # main forward passes before this sequence started
+        self.synced = 0  # MTP slots computed from true main hidden states
+        self.recycled = None  # MTP output hidden of the last draft step
+        self.round_of = None  # main committed length the current round started at
+
+    def is_trimmable(self):
+        return True
+
+    def trim(self, n):
+        return n
+
+    @property
+    def state(self):
+        return [c.state for c in self.kv if c.keys is not None]
+
+    @property
+    def nbytes(self):
+        return sum(c.nbytes for c in self.kv if c.keys is not None and hasattr(c, "nbytes"))
+
+    def empty(self):
+        return all(c.keys is None for c in self.kv)
+
+
+class MTPDraft:
+    """A draft model for mlx-lm's speculative loop, backed by ``model``'s MTP head."""
+
+    def __init__(self, model, hidden="post"):
+        if hidden not in HIDDEN_KINDS:
+            raise ValueError(f"hidden={hidden!r}: expected one of {HIDDEN_KINDS}")
+        _head(model)  # a clear error now rather than in the loop
+        self.main = model
+        self.hidden = hidden
+        self.capture = install_capture(model)
+        self.layers = _head(model).layers
+
+    def make_cache(self):
+        return [MTPDraftCache(make_mtp_cache(self.main), self.capture.count)]
+
+    def __call__(self, inputs, cache=None, **kwargs):
+        import mlx.core as mx
+
+        state = cache[0]
+        committed = self.capture.committed(state.since)
+        vocab = _host(self.main).args.vocab_size
+        placeholder = mx.zeros((inputs.shape[0], inputs.shape[1], vocab))
+        if committed is None or committed < 1 or inputs.shape[0] != 1:
+            return placeholder
+        if state.round_of != committed:  # the main model moved: a new round
+            state.round_of = committed
+            for kv in state.kv:
+                if kv.offset > state.synced:
+                    kv.trim(kv.offset - state.synced)
+            span = self.capture.span(state.synced, committed, self.hidden)
+            if span is None:  # hidden states not recorded (e.g. prefilled elsewhere)
+                self._reset(state, committed)
+                span = self.capture.span(committed - 1, committed, self.hidden)
+                if span is None:
+                    return placeholder
+            h, x_following = span
+            # The last slot pairs h_{C-1} with x_C, which the main model has not processed yet:
+            # it is the last token the loop hands the draft.
+            x_next = mx.concatenate([x_following, inputs[:, -1:].astype(x_following.dtype)], axis=1)
+            logits, out = mtp_forward(self.main, h, x_next.astype(mx.uint32), state.kv)
+            state.synced = committed
+        else:
+            logits, out = mtp_forward(self.main, state.recycled, inputs[:, -1:], state.kv)
+        state.recycled = out[:, -1:]
+        full = mx.concatenate([placeholder[:, :-1], logits[:, -1:]], axis=1) if inputs.shape[1] > 1 \
+            else logits[:, -1:]
+        return full
+
+    def _reset(self, state, committed):
+        for kv in state.kv:
+            if kv.offset:
+                kv.trim(kv.offset)
+        state.synced = committed - 1
+
+
+def add_interface(model) -> None:
+    """Give a loaded model ``make_draft_model``, ``mtp_forward``, ``make_mtp_cache`` and
+    ``hidden_states`` (instance attributes; they raise :class:`MTPUnavailable` without a head)."""
+    ref = weakref.ref(model)
+    model.__dict__["make_draft_model"] = lambda hidden="post": MTPDraft(ref(), hidden)
+    model.__dict__["mtp_forward"] = lambda hidden, next_ids, cache: mtp_forward(ref(), hidden, next_ids, cache)
+    model.__dict__["make_mtp_cache"] = lambda: make_mtp_cache(ref())
+    model.__dict__["hidden_states"] = lambda: hidden_states(ref())

@@ -1,0 +1,98 @@
+"""``--draft-model mtp`` selects the main model's own MTP head as the speculative draft.
+
+Bug
+    mlx-lm can only draft with a separate model: ``mlx_lm.generate --draft-model PATH`` and
+    ``mlx_lm.server --draft-model PATH`` (or a request's ``draft_model``) load PATH with
+    ``load``. A checkpoint's multi-token-prediction head (kept by ``mtp-heads-kept``) cannot be
+    selected without writing code.
+
+Fix
+    Wrap the ``load`` that ``mlx_lm.generate`` and ``mlx_lm.server`` call: the path ``mtp``
+    returns the most recently loaded main model's ``make_draft_model()`` and its tokenizer
+    (``mlx_lm.generate --model PATH --draft-model mtp``). Every other path - and a real folder
+    named ``mtp`` in the working directory - loads as before. If no
+    model was loaded yet, or it has no MTP head, the error says so (``model.mtp_status``).
+
+Affected
+    Every supported release (0.28.4 - 0.32.2); the probe decides on newer ones.
+
+Upstream
+    https://github.com/ml-explore/mlx-lm/blob/v0.32.2/mlx_lm/generate.py (``main``: ``load(args.draft_model)``);
+    https://github.com/ml-explore/mlx-lm/pull/990 (MTP support, open).
+
+Retire
+    When mlx-lm selects MTP drafting itself in every supported release.
+
+Metal
+    Selection only; the draft runs the head's layers through mlx-lm's own modules.
+"""
+
+import os
+import sys
+import weakref
+
+from ..scenarios import Outcome
+
+GENERATE = "mlx_lm.generate"
+SERVER = "mlx_lm.server"
+SENTINEL = "mtp"
+
+_last = {"model": None, "tokenizer": None}
+
+
+def _load_or_mtp_draft(wrapped, instance, args, kwargs):
+    path = args[0] if args else kwargs.get("path_or_hf_repo")
+    if path != SENTINEL or os.path.exists(SENTINEL):  # a real folder named "mtp" wins
+        result = wrapped(*args, **kwargs)
+        _last["model"], _last["tokenizer"] = weakref.ref(result[0]), result[1]
+        return result
+    model = _last["model"]() if _last["model"] is not None else None
+    if model is None:
+        raise ValueError("--draft-model mtp drafts with the main model's MTP head: load the main model first")
+    make_draft = model.__dict__.get("make_draft_model")
+    if make_draft is None:
+        raise ValueError(
+            f"--draft-model mtp: {type(model).__name__} ({getattr(model, 'model_type', '?')}) has no MTP "
+            f"interface ({model.__dict__.get('mtp_status', 'not a family whose MTP head is kept')})"
+        )
+    return make_draft(), _last["tokenizer"]
+
+
+def probe():
+    upstream = [name for name in vars(sys.modules[GENERATE]) if "mtp" in name.lower()]
+    if upstream:
+        return None  # mlx-lm has MTP decoding of its own: leave its selection alone
+    return "mlx_lm.generate has no MTP drafting; load('mtp') looks for a model named 'mtp'"
+
+
+def apply(p):
+    p.wrap(f"{GENERATE}:load", _load_or_mtp_draft)
+    p.wrap(f"{SERVER}:load", _load_or_mtp_draft)
+
+
+def scenario():
+    """Load a Qwen3-Next checkpoint with an MTP head, then the draft through ``load("mtp")``
+    (what ``--draft-model mtp`` does); speculative decoding with it equals greedy decoding."""
+    import tempfile
+
+    from ..scenarios import greedy, prompt_tokens, speculative_greedy
+    from ..testing.mtp_checkpoints import write_mtp_checkpoint
+
+    load = sys.modules[GENERATE].load
+    with tempfile.TemporaryDirectory() as tmp:
+        written = write_mtp_checkpoint(tmp, "qwen3_next", dtype="float32")
+        try:
+            model, _ = load(str(written.folder))
+            draft, _ = load(SENTINEL)
+        except Exception as exc:
+            return Outcome.failure("load('mtp') after loading a model with an MTP head", exc)
+        prompt = prompt_tokens(15, seed=2)
+        try:
+            got = speculative_greedy(model, draft, prompt, max_tokens=10, num_draft_tokens=2)
+        except Exception as exc:
+            return Outcome.failure("speculative decoding with the MTP draft", exc)
+        problem = greedy(model, prompt, max_tokens=10).compare(got)
+    if problem:
+        return Outcome.failure(f"MTP speculative decoding: {problem}")
+    return Outcome(True, "--draft-model mtp drafts with the model's MTP head; output equals greedy",
+                   ["qwen3_next: load('mtp') gives the MTP draft; speculation exact"])

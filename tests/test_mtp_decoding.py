@@ -1,0 +1,101 @@
+"""MTP self-speculative decoding: ``model.make_draft_model()`` (or ``--draft-model mtp``) as the
+draft of mlx-lm's own speculative loop equals greedy decoding of the model, for dense and MoE,
+hybrid MTP models; the draft's proposals are the MTP head's predictions at the right positions;
+missing heads give clear errors. Checkpoints are tiny, float32, written to disk and loaded with
+``mlx_lm.load``, patches on."""
+
+import importlib.util
+
+import pytest
+
+import mlx_lm_patches
+from mlx_lm_patches.scenarios import greedy, prompt_tokens, speculative_greedy
+from mlx_lm_patches.testing.mtp_checkpoints import write_mtp_checkpoint
+
+mlx_lm_patches.apply()
+
+FAMILIES = [f for f in ("qwen3_next", "qwen3_5", "qwen3_5_moe")
+            if importlib.util.find_spec(f"mlx_lm.models.{f}") is not None]
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory):
+    from mlx_lm import load
+
+    root = tmp_path_factory.mktemp("mtp")
+    folders = {f: write_mtp_checkpoint(root, f, dtype="float32").folder for f in FAMILIES}
+    return {f: load(str(folder)) + (folder,) for f, folder in folders.items()}
+
+
+@pytest.mark.parametrize("hidden", ["post", "pre"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_mtp_speculation_equals_greedy(loaded, family, hidden):
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model = loaded[family][0]
+    draft = model.make_draft_model(hidden=hidden)
+    prompt = prompt_tokens(17, seed=4)
+    reference = greedy(model, prompt, max_tokens=12)
+    for num_draft in (1, 2, 3):
+        got = speculative_greedy(model, draft, prompt, max_tokens=12, num_draft_tokens=num_draft)
+        assert reference.compare(got) is None, f"num_draft_tokens={num_draft}: {reference.compare(got)}"
+    cache = make_prompt_cache(model) + make_prompt_cache(draft)
+    got = speculative_greedy(model, draft, prompt, max_tokens=12, num_draft_tokens=2, prompt_cache=cache)
+    assert reference.compare(got) is None
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_draft_proposals_are_the_heads_predictions_at_the_committed_position(loaded, family):
+    """Each round's first draft token is argmax of the MTP head over the true sequence at slot
+    C-1 (main hidden h_{C-1}, token x_C), C being what the main model has committed."""
+    import mlx.core as mx
+    from mlx_lm.generate import speculative_generate_step
+
+    from mlx_lm_patches.mtp_decoding import MTPDraft, mtp_forward
+
+    model = loaded[family][0]
+    proposals = []
+
+    class Recording(MTPDraft):
+        def __call__(self, inputs, cache=None, **kwargs):
+            committed = self.capture.committed(cache[0].since)
+            new_round = cache[0].round_of != committed
+            logits = super().__call__(inputs, cache=cache, **kwargs)
+            if new_round and committed:
+                proposals.append((committed, int(mx.argmax(logits[0, -1]).item())))
+            return logits
+
+    prompt = prompt_tokens(15, seed=9)
+    steps = speculative_generate_step(mx.array(prompt), model, Recording(model), num_draft_tokens=2, max_tokens=10)
+    sequence = prompt + [int(t) for t, _, _ in steps]
+    assert len(proposals) >= 3
+    model(mx.array(sequence)[None])  # cold forward: the capture records every position
+    post = model.hidden_states()["post"]
+    logits, _ = mtp_forward(model, post[:, :-1], mx.array(sequence[1:])[None], model.make_mtp_cache())
+    checked = [(c, t) for c, t in proposals if c < len(sequence)]  # x_C must be in the sequence
+    assert len(checked) >= 3
+    for committed, token in checked:
+        assert token == int(mx.argmax(logits[0, committed - 1]).item()), (committed, token)
+
+
+def test_missing_head_is_a_clear_error(tmp_path):
+    from mlx_lm import load
+
+    from mlx_lm_patches.mtp_decoding import MTPUnavailable
+
+    written = write_mtp_checkpoint(tmp_path, "qwen3_next", drop=["mtp.norm.weight"])
+    model, _ = load(str(written.folder))
+    with pytest.raises(MTPUnavailable, match=r"missing 1 tensors \(mtp.norm.weight\)"):
+        model.make_draft_model()
+
+
+def test_draft_model_mtp_selects_the_head(loaded):
+    """What ``mlx_lm.generate --model PATH --draft-model mtp`` does: load(PATH), then load("mtp")."""
+    import sys
+
+    from mlx_lm_patches.mtp_decoding import MTPDraft
+
+    load = sys.modules["mlx_lm.generate"].load
+    model, tokenizer = load(str(loaded[FAMILIES[0]][2]))
+    draft, draft_tokenizer = load("mtp")
+    assert isinstance(draft, MTPDraft) and draft.main is model and draft_tokenizer is tokenizer
