@@ -79,6 +79,7 @@ class HiddenCapture:
         self._leaf = None  # weakref to the position leaf of the cache of the recorded passes
         self._leaf_since = 0  # self.count when that cache was first seen
         self._pending = None  # (pre, post) of the final norm during the current forward
+        self.last = None  # {"pre", "post"} hidden states of the last forward, any batch size
 
     def norm_called(self, pre, post):
         self._pending = (pre, post)
@@ -87,6 +88,8 @@ class HiddenCapture:
         import mlx.core as mx
 
         pending, self._pending = self._pending, None
+        if pending is not None:
+            self.last = {"pre": pending[0], "post": pending[1]}
         if pending is None or start is None or not isinstance(inputs, mx.array) or inputs.ndim != 2 \
                 or inputs.shape[0] != 1:
             return
@@ -177,11 +180,7 @@ def install_capture(model) -> HiddenCapture:
 
 def hidden_states(model):
     """``{"pre": ..., "post": ...}`` hidden states of the last forward (capture installed)."""
-    capture = install_capture(model)
-    if not capture.forwards:
-        return None
-    last = capture.forwards[-1]
-    return {"pre": last.pre, "post": last.post}
+    return install_capture(model).last
 
 
 def make_mtp_cache(model):
@@ -230,6 +229,7 @@ class MTPDraftCache:
         self.synced = 0  # MTP slots computed from true main hidden states
         self.recycled = None  # MTP output hidden of the last draft step
         self.round_of = None  # main committed length the current round started at
+        self.step = 0  # draft steps taken in the current round
 
     def is_trimmable(self):
         return True
