@@ -76,6 +76,11 @@ def _version() -> str:
 
 
 def _check(args) -> int:
+    import os
+
+    # Everything check runs is built locally; stock mlx-lm must not reach for the hub either
+    # (e.g. load("mtp") on a release without the MTP selection).
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from . import check
 
     results = check.run_check(args.ids or None)

@@ -26,7 +26,12 @@ class Outcome:
 
     @classmethod
     def failure(cls, summary: str, exc: Optional[BaseException] = None, details=()):
-        text = summary if exc is None else f"{summary}: {type(exc).__name__}: {exc}"
+        if exc is None:
+            text = summary
+        else:
+            lines = str(exc).strip().splitlines() or [""]
+            more = f" (+{len(lines) - 1} more lines)" if len(lines) > 1 else ""
+            text = f"{summary}: {type(exc).__name__}: {lines[0]}{more}"
         return cls(False, text, list(details))
 
 

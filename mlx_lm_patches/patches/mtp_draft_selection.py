@@ -80,7 +80,8 @@ def scenario():
 
     load = sys.modules[GENERATE].load
     with tempfile.TemporaryDirectory() as tmp:
-        written = write_mtp_checkpoint(tmp, "qwen3_next", dtype="float32")
+        # HF layout: stock mlx-lm loads it (dropping the head), so what fails is load("mtp").
+        written = write_mtp_checkpoint(tmp, "qwen3_next", form="hf", dtype="float32")
         try:
             model, _ = load(str(written.folder))
             draft, _ = load(SENTINEL)
