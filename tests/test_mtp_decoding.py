@@ -99,3 +99,28 @@ def test_draft_model_mtp_selects_the_head(loaded):
     model, tokenizer = load(str(loaded[FAMILIES[0]][2]))
     draft, draft_tokenizer = load("mtp")
     assert isinstance(draft, MTPDraft) and draft.main is model and draft_tokenizer is tokenizer
+
+
+@pytest.mark.subprocess
+def test_generate_cli_draft_model_mtp(loaded):
+    """``mlx_lm.generate --model PATH --draft-model mtp``, the installed package active: the same
+    text as without a draft."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import clean_env
+
+    script = os.path.join(os.path.dirname(sys.executable), "mlx_lm.generate")
+    folder = str(loaded[FAMILIES[0]][2])
+
+    def run(*extra):
+        proc = subprocess.run([script, "--model", folder, "--prompt", "the quick brown fox", "--max-tokens", "12",
+                               "--verbose", "False", *extra], capture_output=True, text=True, timeout=300,
+                              env=clean_env(), cwd="/")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc.stdout
+
+    reference = run()
+    assert reference.strip()
+    assert run("--draft-model", "mtp", "--num-draft-tokens", "2") == reference
