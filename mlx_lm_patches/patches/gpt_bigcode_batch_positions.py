@@ -5,9 +5,9 @@ Bug
     ``np.arange(cache[0].offset, cache[0].offset + L)``, which needs the offset as a Python int.
     In batched generation the cache is a ``BatchKVCache`` whose ``offset`` is a per-row
     ``mx.array``, so ``BatchGenerator`` / ``batch_generate`` / the server's batched path crash
-    with ``ValueError: [convert] Only length-1 arrays can be converted to Python scalars``. This
-    is the one "offset as int" consumer the scan of mlx-lm's models finds
-    (``tests/test_offset_consumers.py``); the hybrid families have none.
+    with ``ValueError: [convert] Only length-1 arrays can be converted to Python scalars``. One of
+    the "offset as int" consumers that ``tests/test_offset_consumers.py`` finds in mlx-lm's models
+    (the others are listed there and in docs/research/offset_as_int.md).
 
 Fix
     When the cache offset is an array (batched), compute each row's positions as
