@@ -21,7 +21,8 @@ cache, after mlx-lm's trim), takes the main hidden state of the last committed p
 * predicts the next token from ``h_{C-1}`` and the token it was given, then, for further draft
   tokens in the round, from its own output hidden state (recycling) and its previous draft.
 
-Contract per family (defaults, configurable with ``make_draft_model(hidden=...)``): Qwen3-Next,
+Contract per family (defaults, configurable with ``make_draft_model(hidden=..., fusion=...)``):
+Qwen3-Next,
 Qwen3.5/3.6: ``fc(concat[pre_fc_norm_embedding(embed(x_{t+1})), pre_fc_norm_hidden(h_t)])``,
 then the MTP decoder layer(s) with their own KV cache, then ``norm``; ``h_t`` is the main
 model's *post*-final-norm hidden state; logits through the shared ``lm_head`` (or the tied
@@ -36,6 +37,7 @@ import weakref
 from typing import List, Optional
 
 HIDDEN_KINDS = ("post", "pre")
+FUSION_ORDERS = ("embedding-first", "hidden-first")  # order of the two halves fed to ``fc``
 KEEP_POSITIONS = 8192  # captured hidden states kept at most (positions), per model
 
 
@@ -199,15 +201,21 @@ def _head(model):
     return head
 
 
-def mtp_forward(model, hidden, next_ids, cache):
+def mtp_forward(model, hidden, next_ids, cache, fusion="embedding-first"):
     """One MTP pass: ``hidden`` [B,T,H] (main hidden at positions t), ``next_ids`` [B,T] (tokens
-    at t+1) -> ``(logits [B,T,V], mtp_hidden [B,T,H])``; ``cache`` from ``make_mtp_cache``."""
+    at t+1) -> ``(logits [B,T,V], mtp_hidden [B,T,H])``; ``cache`` from ``make_mtp_cache``.
+    ``fusion``: ``"embedding-first"`` (Qwen3-Next/3.5/3.6, DeepSeek) or ``"hidden-first"``
+    (MiMo-style heads)."""
     import mlx.core as mx
     from mlx_lm.models.base import create_attention_mask
 
     head, host = _head(model), _host(model)
     embedded = head.pre_fc_norm_embedding(host.model.embed_tokens(next_ids))
-    z = head.fc(mx.concatenate([embedded, head.pre_fc_norm_hidden(hidden)], axis=-1))
+    if fusion not in FUSION_ORDERS:
+        raise ValueError(f"fusion={fusion!r}: expected one of {FUSION_ORDERS}")
+    normed = head.pre_fc_norm_hidden(hidden)
+    halves = [embedded, normed] if fusion == "embedding-first" else [normed, embedded]
+    z = head.fc(mx.concatenate(halves, axis=-1))
     mask = create_attention_mask(z, cache[0]) if cache else None
     for layer, layer_cache in zip(head.layers, cache):
         z = layer(z, mask=mask, cache=layer_cache)
@@ -252,9 +260,12 @@ class MTPDraftCache:
 class MTPDraft:
     """A draft model for mlx-lm's speculative loop, backed by ``model``'s MTP head."""
 
-    def __init__(self, model, hidden="post"):
+    def __init__(self, model, hidden="post", fusion="embedding-first"):
         if hidden not in HIDDEN_KINDS:
             raise ValueError(f"hidden={hidden!r}: expected one of {HIDDEN_KINDS}")
+        if fusion not in FUSION_ORDERS:
+            raise ValueError(f"fusion={fusion!r}: expected one of {FUSION_ORDERS}")
+        self.fusion = fusion
         _head(model)  # a clear error now rather than in the loop
         self.main = model
         self.hidden = hidden
@@ -288,10 +299,10 @@ class MTPDraft:
             # The last slot pairs h_{C-1} with x_C, which the main model has not processed yet:
             # it is the last token the loop hands the draft.
             x_next = mx.concatenate([x_following, inputs[:, -1:].astype(x_following.dtype)], axis=1)
-            logits, out = mtp_forward(self.main, h, x_next.astype(mx.uint32), state.kv)
+            logits, out = mtp_forward(self.main, h, x_next.astype(mx.uint32), state.kv, self.fusion)
             state.synced = committed
         else:
-            logits, out = mtp_forward(self.main, state.recycled, inputs[:, -1:], state.kv)
+            logits, out = mtp_forward(self.main, state.recycled, inputs[:, -1:], state.kv, self.fusion)
         state.recycled = out[:, -1:]
         full = mx.concatenate([placeholder[:, :-1], logits[:, -1:]], axis=1) if inputs.shape[1] > 1 \
             else logits[:, -1:]
@@ -308,7 +319,8 @@ def add_interface(model) -> None:
     """Give a loaded model ``make_draft_model``, ``mtp_forward``, ``make_mtp_cache`` and
     ``hidden_states`` (instance attributes; they raise :class:`MTPUnavailable` without a head)."""
     ref = weakref.ref(model)
-    model.__dict__["make_draft_model"] = lambda hidden="post": MTPDraft(ref(), hidden)
-    model.__dict__["mtp_forward"] = lambda hidden, next_ids, cache: mtp_forward(ref(), hidden, next_ids, cache)
+    model.__dict__["make_draft_model"] = lambda hidden="post", fusion="embedding-first": MTPDraft(ref(), hidden, fusion)
+    model.__dict__["mtp_forward"] = lambda hidden, next_ids, cache, fusion="embedding-first": mtp_forward(
+        ref(), hidden, next_ids, cache, fusion)
     model.__dict__["make_mtp_cache"] = lambda: make_mtp_cache(ref())
     model.__dict__["hidden_states"] = lambda: hidden_states(ref())

@@ -27,13 +27,14 @@ def loaded(tmp_path_factory):
     return {f: load(str(folder)) + (folder,) for f, folder in folders.items()}
 
 
-@pytest.mark.parametrize("hidden", ["post", "pre"])
+@pytest.mark.parametrize("hidden,fusion", [("post", "embedding-first"), ("pre", "embedding-first"),
+                                           ("post", "hidden-first")])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_mtp_speculation_equals_greedy(loaded, family, hidden):
+def test_mtp_speculation_equals_greedy(loaded, family, hidden, fusion):
     from mlx_lm.models.cache import make_prompt_cache
 
     model = loaded[family][0]
-    draft = model.make_draft_model(hidden=hidden)
+    draft = model.make_draft_model(hidden=hidden, fusion=fusion)
     prompt = prompt_tokens(17, seed=4)
     reference = greedy(model, prompt, max_tokens=12)
     for num_draft in (1, 2, 3):
