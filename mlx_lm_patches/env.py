@@ -29,7 +29,12 @@ ROLLBACK_SNAPSHOTS = "MLX_LM_PATCHES_ROLLBACK_SNAPSHOTS"
 """Most recurrent states kept per cache list for exact rollback (speculative decoding): a
 positive integer, default 32. Drafting more than ``value - 2`` tokens per round is refused."""
 
-ALL_VARIABLES = (ENABLED, DISABLE, STRICT, DEBUG, CHILDREN, ROLLBACK_SNAPSHOTS)
+PREFIX_CHECKPOINTS = "MLX_LM_PATCHES_PREFIX_CHECKPOINTS"
+"""Most recurrent states kept per sequence for exact prefix reuse of hybrid models
+(``LRUPromptCache``, ``mlx_lm.server``): a non-negative integer, default 8; ``0`` turns keeping
+them off. Unset, states are kept once an ``LRUPromptCache`` exists in the process; set, always."""
+
+ALL_VARIABLES = (ENABLED, DISABLE, STRICT, DEBUG, CHILDREN, ROLLBACK_SNAPSHOTS, PREFIX_CHECKPOINTS)
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -93,3 +98,14 @@ def positive_int(name, default, environ=None):
     if value.isdigit() and int(value) > 0:
         return int(value)
     raise EnvError(f"{name}={raw!r} is not understood; accepted values: a positive integer")
+
+
+def non_negative_int(name, default, environ=None):
+    """Read a non-negative integer; empty or unset means ``default``."""
+    raw = (os.environ if environ is None else environ).get(name, "")
+    value = raw.strip()
+    if not value:
+        return default
+    if value.isdigit():
+        return int(value)
+    raise EnvError(f"{name}={raw!r} is not understood; accepted values: a non-negative integer (0 turns it off)")

@@ -172,6 +172,19 @@ class Patcher:
         self.ops.append(Op("set", target, owner, attr, own, value))
 
 
+class _StackedProperty(property):
+    """A property installed by a patch over another one (kept as ``__wrapped__``), so patches
+    stacked on one property are recognised as ours and reverted latest first."""
+
+
+def property_over(previous: property, compute: Callable[[Any, Any], Any]) -> property:
+    """A property whose value is ``compute(self, value of previous)``: what a patch installs with
+    ``p.set`` to extend a property that another patch may already have extended."""
+    prop = _StackedProperty(lambda self: compute(self, previous.__get__(self, type(self))))
+    prop.__wrapped__ = previous
+    return prop
+
+
 def _static_lookup(owner, attr, target):
     import inspect
 

@@ -213,3 +213,78 @@ def batching_situations(model, model_type) -> Optional[str]:
             if problem:
                 return f"{model_type}, {name}, prompt {i}: {problem}"
     return None
+
+
+def lru_prompt_cache_class():
+    """mlx-lm's ``LRUPromptCache`` (``models/cache.py`` from 0.31.2, ``server.py`` before)."""
+    import importlib
+
+    cache_module = importlib.import_module("mlx_lm.models.cache")
+    if hasattr(cache_module, "LRUPromptCache"):
+        return cache_module.LRUPromptCache
+    return importlib.import_module("mlx_lm.server").LRUPromptCache
+
+
+def _two_requests(shared, tail):
+    prefix = prompt_tokens(shared, seed=5)
+    return prefix + prompt_tokens(tail[0], seed=6), prefix + prompt_tokens(tail[1], seed=8)
+
+
+def prefix_reuse(model, shared=600, prefill_step_size=256, max_tokens=6, tail=(9, 7), batched=False):
+    """What ``mlx_lm.server`` does for two requests sharing ``shared`` tokens: request A is
+    decoded from an empty cache and stored in an ``LRUPromptCache`` (prompt + generated tokens,
+    as the server stores it); request B (same prefix, another tail) fetches from the store and
+    is decoded from what it gets - with ``generate_step`` (the server's single-sequence path)
+    or, ``batched``, with ``BatchGenerator`` (its batched path). Returns ``(tokens reused,
+    None or how B differs from its cold greedy decoding)``."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    store = lru_prompt_cache_class()()
+    a, b = _two_requests(shared, tail)
+    decode = _batched_one if batched else _single_one
+    first, cache = decode(model, a, None, max_tokens, prefill_step_size)
+    store.insert_cache("model", a + first.tokens, cache)
+    fetched, rest = store.fetch_nearest_cache("model", b)
+    reused = len(b) - len(rest)
+    cold = greedy(model, b, max_tokens=max_tokens, prefill_step_size=prefill_step_size)
+    if fetched is None:
+        fetched = make_prompt_cache(model)
+    warm, _ = decode(model, list(rest), (fetched, b[:reused]), max_tokens, prefill_step_size)
+    return reused, cold.compare(warm)
+
+
+def _single_one(model, prompt, start, max_tokens, prefill_step_size):
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = start[0] if start else make_prompt_cache(model)
+    return greedy(model, prompt, max_tokens=max_tokens, prompt_cache=cache,
+                  prefill_step_size=prefill_step_size), cache
+
+
+def _batched_one(model, prompt, start, max_tokens, prefill_step_size):
+    """One request through ``BatchGenerator`` as the server inserts it (``start``: the fetched
+    cache and the tokens it holds); its decoding and the cache it finishes with."""
+    import inspect
+
+    import mlx.core as mx
+    from mlx_lm.generate import BatchGenerator
+
+    gen = BatchGenerator(model, max_tokens=max_tokens, prefill_step_size=prefill_step_size)
+    kwargs = {}
+    if start is not None:
+        kwargs["caches"] = [start[0]]
+        if "all_tokens" in inspect.signature(gen.insert).parameters:
+            kwargs["all_tokens"] = [list(start[1])]
+    gen.insert([list(prompt)], [max_tokens], **kwargs)
+    step = getattr(gen, "next_generated", None) or gen.next
+    decoded, final = Decoded([], []), None
+    while final is None:
+        for r in step():
+            decoded.tokens.append(int(r.token))
+            decoded.logprobs.append(r.logprobs)
+            if r.finish_reason is not None:
+                final = r.prompt_cache() if callable(r.prompt_cache) else r.prompt_cache
+    if hasattr(gen, "close"):
+        gen.close()
+    mx.eval(decoded.logprobs)
+    return decoded, final

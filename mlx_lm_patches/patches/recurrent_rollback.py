@@ -47,6 +47,7 @@ Metal
 
 import sys
 
+from ..patching import property_over
 from ..scenarios import Outcome
 
 CACHE = "mlx_lm.models.cache"
@@ -65,15 +66,11 @@ def _trim(self, n):
     return 0
 
 
-def _nbytes_with_journal(stock):
-    def nbytes(self):
-        from ..journal import journal_of_cache
+def _plus_journal(cache, nbytes):
+    from ..journal import journal_of_cache
 
-        journal = journal_of_cache(self)
-        base = stock.__get__(self, type(self))
-        return base + (journal.retained_nbytes(self) if journal is not None else 0)
-
-    return property(nbytes)
+    journal = journal_of_cache(cache)
+    return nbytes + (journal.retained_nbytes(cache) if journal is not None else 0)
 
 
 def _trim_prompt_cache(wrapped, instance, args, kwargs):
@@ -158,9 +155,9 @@ def apply(p):
     arrays_cache = p.module(CACHE).ArraysCache
     p.set(f"{CACHE}:ArraysCache.is_trimmable", _is_trimmable)
     p.set(f"{CACHE}:ArraysCache.trim", _trim)
-    stock_nbytes = vars(arrays_cache).get("nbytes")
-    if isinstance(stock_nbytes, property):
-        p.set(f"{CACHE}:ArraysCache.nbytes", _nbytes_with_journal(stock_nbytes))
+    current_nbytes = vars(arrays_cache).get("nbytes")
+    if isinstance(current_nbytes, property):
+        p.set(f"{CACHE}:ArraysCache.nbytes", property_over(current_nbytes, _plus_journal))
     p.wrap(f"{CACHE}:trim_prompt_cache", _trim_prompt_cache)
     # 0.32.x generate.py imports trim_prompt_cache by name; older releases call cache.trim_prompt_cache.
     if "trim_prompt_cache" in vars(sys.modules.get(GENERATE) or object):

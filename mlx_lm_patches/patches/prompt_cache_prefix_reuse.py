@@ -1,0 +1,294 @@
+"""Hybrid prompt caches are reused up to an exact state at or before where a request diverges.
+
+Bug
+    ``LRUPromptCache`` (``mlx_lm.server``; in ``server.py`` up to 0.31.1, ``models/cache.py``
+    from 0.31.2) reuses a stored prompt that is longer than the new request by trimming a copy of
+    it back to the common prefix - only for trimmable caches. ``ArraysCache`` (the recurrent
+    state of GatedDeltaNet, Mamba, short-conv ... layers) holds only the state after *all* its
+    tokens and cannot be trimmed, so for hybrid models a request that diverges inside a stored
+    prompt (another question about the same document, an edited last message, a regenerated
+    turn) is a complete miss: the whole prompt is prefilled again. Only exact or shorter stored
+    prompts hit. Making ``ArraysCache`` "trimmable" by resetting its state (mlx-lm PR #1254) is
+    wrong twice: the reset changes every later token, and a trimmable cache makes
+    ``insert_cache`` delete the shorter stored prompts hybrids rely on today.
+
+Fix
+    Keep exact recurrent states at positions of the prefill and reuse only those
+    (``mlx_lm_patches/prefix_checkpoints.py``). While an ``LRUPromptCache`` exists in the
+    process (or ``MLX_LM_PATCHES_PREFIX_CHECKPOINTS`` is set), single-sequence prefill
+    (``generate_step``, the per-row prefill of hybrid rows in ``BatchGenerator``) runs through a
+    recorder that cuts the passes also at powers of two and keeps the recurrent states after
+    each pass, by reference, bounded per sequence (default 8, thinned so that a kept state lies
+    within a factor of two of any position). The kept states travel with the caches through
+    mlx-lm's own merge/extend/filter/extract/deepcopy and are stored with the entry by
+    ``insert_cache`` (only those computed from a prefix of the entry's tokens; their bytes count
+    in ``ArraysCache.nbytes`` and so in the LRU's byte limit). ``fetch_nearest_cache`` first asks
+    mlx-lm's own search what it would reuse; if a stored entry holds a kept state further along
+    the new request (checked token by token, at most ``len(tokens) - 1``), it returns a copy of
+    that entry with its recurrent caches set to that state and its attention caches cut to the
+    same position, and the rest of the request to prefill. ``ArraysCache`` stays untrimmable, so
+    mlx-lm never trims a hybrid cache and never evicts shorter entries as redundant. Nothing is
+    approximated: a state that cannot be restored exactly is not used.
+
+Affected
+    Every supported release (0.28.4 - 0.32.2); the probe decides on newer ones.
+
+Upstream
+    https://github.com/ml-explore/mlx-lm/blob/v0.32.2/mlx_lm/models/cache.py (``LRUPromptCache``);
+    https://github.com/ml-explore/mlx-lm/blob/v0.31.1/mlx_lm/server.py (``LRUPromptCache``);
+    https://github.com/ml-explore/mlx-lm/pull/1254 (reset on trim: inexact).
+
+Retire
+    When mlx-lm keeps or can recompute exact recurrent states at earlier positions itself.
+
+Metal
+    Prefill passes are cut at extra positions (powers of two); outputs are the model's own
+    forward. On CPU chunking is bit-exact; on GPU, prefill kernels over different chunk
+    boundaries may differ in the last bits, as for any prompt-cache reuse of dense models.
+"""
+
+import logging
+import sys
+from collections import deque
+
+from ..scenarios import Outcome
+
+log = logging.getLogger("mlx_lm_patches")
+
+CACHE = "mlx_lm.models.cache"
+GENERATE = "mlx_lm.generate"
+SERVER = "mlx_lm.server"
+
+
+# -- keeping states while prefilling ----------------------------------------------------------
+
+
+def _generate_step(wrapped, instance, args, kwargs):
+    from .. import prefix_checkpoints as pc
+    from ..journal import has_recurrent_state
+    from ..speculative import bind_arguments
+
+    if not pc.capturing():
+        return wrapped(*args, **kwargs)
+    bound = bind_arguments(wrapped, args, kwargs)
+    cache = bound.arguments.get("prompt_cache")
+    if (cache is None or bound.arguments.get("input_embeddings") is not None
+            or not has_recurrent_state(cache)):
+        return wrapped(*args, **kwargs)
+    history = pc.exact_history(cache)
+    if history is None:
+        return wrapped(*args, **kwargs)
+    recorder = pc.Recorder(bound.arguments["model"], history)
+    bound.arguments["model"] = recorder
+    return _closing(wrapped(*bound.args, **bound.kwargs), recorder)
+
+
+def _closing(steps, recorder):
+    try:
+        yield from steps
+    finally:
+        steps.close()
+        recorder.close()
+
+
+def _row_history(row, history):
+    """What a row of a ``PromptProcessingBatch`` holds, if certain: mlx-lm's own record of its
+    tokens, checked against the attention caches' offsets."""
+    from .. import prefix_checkpoints as pc
+    from ..journal import _kv_offset, flat_caches
+
+    if not history:
+        return () if pc.is_empty(row) else None
+    arrays_cache = sys.modules[CACHE].ArraysCache
+    for cache in flat_caches(row):
+        if not isinstance(cache, arrays_cache) and _kv_offset(cache) != len(history):
+            return None
+    return tuple(history)
+
+
+def _prompt(wrapped, instance, args, kwargs):
+    """>= 0.31.2: prefill hybrid rows alone through a recorder."""
+    from .. import prefix_checkpoints as pc
+    from ..journal import has_recurrent_state
+    from .batch_prefill_per_row import prefill_rows_alone
+
+    tokens = args[0] if args else kwargs.get("tokens")
+    if not (pc.capturing() and tokens and len(tokens) == len(instance.uids)
+            and has_recurrent_state(instance.prompt_cache)):
+        return wrapped(*args, **kwargs)
+    batch_caches = instance.prompt_cache
+
+    def row_model(i, row, history):
+        pc.copy_row_trails(batch_caches, row, i)
+        known = _row_history(row, history)
+        if known is None:
+            return instance.model, None
+        recorder = pc.Recorder(instance.model, known)
+        return recorder, recorder.close
+
+    if not prefill_rows_alone(instance, tokens, row_model):
+        return wrapped(*args, **kwargs)
+
+
+def _process_prompts(wrapped, instance, args, kwargs):
+    """<= 0.31.1: each prompt is processed on its own (a batch of one) through a recorder."""
+    from .. import prefix_checkpoints as pc
+    from ..journal import has_recurrent_state
+
+    prompts = list(args[0] if args else kwargs["prompts"])
+    if not (pc.capturing() and prompts and has_recurrent_state(prompts[0][3])):
+        return wrapped(*args, **kwargs)
+    model, batch = instance.model, None
+    try:
+        for prompt in prompts:
+            history = pc.exact_history(prompt[3])
+            recorder = pc.Recorder(model, history) if history is not None else None
+            instance.model = recorder or model
+            try:
+                one = wrapped([prompt])
+            finally:
+                instance.model = model
+                if recorder is not None:
+                    recorder.close()
+            if batch is None:
+                batch = one
+            else:
+                batch.extend(one)
+        return batch
+    except (TypeError, ValueError, AttributeError) as exc:
+        # As in batch-prefill-per-row: the inputs were not consumed (fresh caches, or merged
+        # copies of the given ones), so the prompts are processed again without kept states.
+        log.warning("mlx-lm-patches: prefix checkpoints not kept here (%s: %s)", type(exc).__name__, exc)
+        return wrapped(*args, **kwargs)
+
+
+# -- the prompt-cache store -------------------------------------------------------------------
+
+
+def _lru_init(wrapped, instance, args, kwargs):
+    from .. import prefix_checkpoints as pc
+
+    pc.note_prompt_cache_created()
+    return wrapped(*args, **kwargs)
+
+
+def _entries(lru, model):
+    """``(tokens, prompt_cache)`` of every entry stored for ``model`` (all releases' layouts)."""
+    order = lru._lru
+    if isinstance(order, deque):
+        pairs = list(order)  # <= 0.30.7
+    elif hasattr(order, "_lrus"):
+        pairs = [pair for lru_type in order._lrus.values() for pair in lru_type]  # >= 0.31.2
+    else:
+        pairs = list(order._lru) + list(getattr(order, "_lru_checkpoints", ()))  # 0.31.1
+    get = lru._trie.get if hasattr(lru, "_trie") else lru._get
+    for owner, tokens in pairs:
+        if owner == model:
+            yield tokens, get(owner, tokens).prompt_cache
+
+
+def _stock_reuse(lru, model, tokens) -> int:
+    """How many tokens mlx-lm's own search would reuse for a hybrid model (exact or shorter)."""
+    result = lru._trie.search(model, tokens) if hasattr(lru, "_trie") else lru._search(model, tokens)
+    if result.exact is not None:
+        return len(tokens)
+    return len(result.shorter) if result.shorter is not None else 0
+
+
+def _fetch(wrapped, instance, args, kwargs):
+    from .. import prefix_checkpoints as pc
+    from ..journal import has_recurrent_state
+    from ..speculative import bind_arguments
+
+    bound = bind_arguments(wrapped, args, kwargs)
+    model, tokens = bound.arguments["model"], bound.arguments["tokens"]
+    entries = [(key, cache) for key, cache in _entries(instance, model) if has_recurrent_state(cache)]
+    if entries:
+        found = pc.best_restore(entries, tokens, better_than=_stock_reuse(instance, model, tokens))
+        if found is not None:
+            cache, position = found
+            log.debug("mlx-lm-patches: prompt cache: %d of %d tokens reused from a kept state",
+                      position, len(tokens))
+            return cache, tokens[position:]
+    cache, rest = wrapped(*args, **kwargs)
+    if cache is not None and has_recurrent_state(cache):
+        pc.mark_exact(cache, tokens[: len(tokens) - len(rest)])
+    return cache, rest
+
+
+def _insert(wrapped, instance, args, kwargs):
+    from .. import prefix_checkpoints as pc
+    from ..journal import has_recurrent_state
+    from ..speculative import bind_arguments
+
+    bound = bind_arguments(wrapped, args, kwargs)
+    cache = bound.arguments["prompt_cache"]
+    if isinstance(cache, (list, tuple)) and has_recurrent_state(cache):
+        pc.settle(cache, bound.arguments["tokens"])
+    return wrapped(*args, **kwargs)
+
+
+def _plus_checkpoints(cache, nbytes):
+    from ..prefix_checkpoints import retained_nbytes
+
+    return nbytes + retained_nbytes(cache)
+
+
+# -- probe, apply, scenario -------------------------------------------------------------------
+
+
+def probe():
+    import mlx.core as mx
+
+    cache = sys.modules[CACHE].ArraysCache(1)
+    cache[0] = mx.ones((1, 2))
+    if not cache.is_trimmable():
+        return ("ArraysCache cannot go back to an earlier state: LRUPromptCache reuses a stored "
+                "hybrid prompt only if it is an exact prefix of the request")
+    return None
+
+
+def apply(p):
+    from ..patching import property_over
+
+    cache_module = p.module(CACHE)
+    arrays_cache = cache_module.ArraysCache
+    for method, carry in (("merge", "carry_merge"), ("extend", "carry_extend"),
+                          ("filter", "carry_filter"), ("extract", "carry_extract")):
+        if hasattr(arrays_cache, method):
+            from .. import prefix_checkpoints as pc
+
+            p.wrap(f"{CACHE}:ArraysCache.{method}", getattr(pc, carry))
+    current_nbytes = vars(arrays_cache).get("nbytes")
+    if isinstance(current_nbytes, property):
+        p.set(f"{CACHE}:ArraysCache.nbytes", property_over(current_nbytes, _plus_checkpoints))
+    store = CACHE if hasattr(cache_module, "LRUPromptCache") else SERVER
+    p.wrap(f"{store}:LRUPromptCache.__init__", _lru_init)
+    p.wrap(f"{store}:LRUPromptCache.fetch_nearest_cache", _fetch)
+    p.wrap(f"{store}:LRUPromptCache.insert_cache", _insert)
+    p.wrap(f"{GENERATE}:generate_step", _generate_step)
+    if hasattr(p.module(GENERATE), "PromptProcessingBatch"):
+        p.wrap(f"{GENERATE}:PromptProcessingBatch.prompt", _prompt)
+    else:
+        p.wrap(f"{GENERATE}:BatchGenerator._process_prompts", _process_prompts)
+
+
+def scenario():
+    """A prompt stored after a 600-token shared prefix; a request diverging right after it:
+    at least half the shared prefix is reused and the continuation equals a cold prefill."""
+    from ..scenarios import prefix_reuse
+    from ..testing.tiny_models import available_model_types, build_tiny_model
+
+    details = []
+    for model_type in [t for t in ("qwen3_next", "lfm2", "falcon_h1", "mamba2") if t in available_model_types()]:
+        try:
+            reused, problem = prefix_reuse(build_tiny_model(model_type, seed=1), shared=600, prefill_step_size=256)
+        except Exception as exc:
+            return Outcome.failure(f"{model_type}: prefix reuse", exc)
+        if problem:
+            return Outcome.failure(f"{model_type}: {problem}")
+        if reused < 300:
+            return Outcome.failure(f"{model_type}: a request diverging after 600 shared tokens reused {reused} "
+                                   "(a miss: the whole prompt is prefilled again)")
+        details.append(f"{model_type}: {reused} of 600 shared tokens reused, continuation equal to a cold prefill")
+    return Outcome(True, "diverging requests reuse an exact earlier state of a stored hybrid prompt", details)
