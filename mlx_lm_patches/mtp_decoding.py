@@ -21,12 +21,20 @@ cache, after mlx-lm's trim), takes the main hidden state of the last committed p
 * predicts the next token from ``h_{C-1}`` and the token it was given, then, for further draft
   tokens in the round, from its own output hidden state (recycling) and its previous draft.
 
-Contract per family (defaults, configurable with ``make_draft_model(hidden=..., fusion=...)``):
-Qwen3-Next,
-Qwen3.5/3.6: ``fc(concat[pre_fc_norm_embedding(embed(x_{t+1})), pre_fc_norm_hidden(h_t)])``,
-then the MTP decoder layer(s) with their own KV cache, then ``norm``; ``h_t`` is the main
-model's *post*-final-norm hidden state; logits through the shared ``lm_head`` (or the tied
-embedding).
+Contract per family (defaults, configurable with ``make_draft_model(hidden=..., fusion=...)``;
+the pieces per family are in ``mtp_families``):
+
+* Qwen3-Next, Qwen3.5/3.6:
+  ``fc(concat[pre_fc_norm_embedding(embed(x_{t+1})), pre_fc_norm_hidden(h_t)])``, then the MTP
+  decoder layer(s) with their own KV cache, then ``norm``; logits through the shared ``lm_head``
+  (or the tied embedding).
+* Nemotron-H: ``eh_proj(concat[enorm(embed(x_{t+1})), hnorm(h_t)])``, then the MTP blocks
+  (``NemotronHBlock``: the attention ones with their own KV cache, MoE/MLP ones without), then
+  ``final_layernorm`` of the last block; logits through the shared ``lm_head``.
+
+In both ``h_t`` is the main model's *post*-final-norm hidden state by default (``hidden="pre"``:
+the input of the final norm) and the embedding half comes first (``fusion="hidden-first"``
+swaps them, as MiMo-style heads order them).
 
 ``model.mtp_forward(hidden, next_ids, cache)``, ``model.make_mtp_cache()`` and
 ``model.hidden_states`` (``{"pre": ..., "post": ...}`` of the last forward, once the capture is
@@ -36,6 +44,8 @@ installed) are the lower-level interface engines built on mlx-lm call.
 import weakref
 from typing import List, Optional
 
+from .mtp_families import family_of
+
 HIDDEN_KINDS = ("post", "pre")
 FUSION_ORDERS = ("embedding-first", "hidden-first")  # order of the two halves fed to ``fc``
 KEEP_POSITIONS = 8192  # captured hidden states kept at most (positions), per model
@@ -43,11 +53,6 @@ KEEP_POSITIONS = 8192  # captured hidden states kept at most (positions), per mo
 
 class MTPUnavailable(RuntimeError):
     """The model has no usable MTP head; the message says why (from ``model.mtp_status``)."""
-
-
-def _host(model):
-    """The module with ``model`` (inner transformer), ``lm_head`` and ``args`` of a Qwen family."""
-    return model if model.model_type == "qwen3_next" else model.language_model
 
 
 def _position_leaf(cache):
@@ -155,7 +160,7 @@ def install_capture(model) -> HiddenCapture:
     if capture is not None:
         return capture
     capture = HiddenCapture()
-    norm = _host(model).model.norm
+    norm = family_of(model).final_norm(model)
     norm_class = type(norm)
 
     def norm_call(self, x, *args, **kwargs):
@@ -188,7 +193,7 @@ def hidden_states(model):
 def make_mtp_cache(model):
     from mlx_lm.models.cache import KVCache
 
-    return [KVCache() for _ in _head(model).layers]
+    return [KVCache() for _ in family_of(model).attention_layers(_head(model))]
 
 
 def _head(model):
@@ -209,22 +214,18 @@ def mtp_forward(model, hidden, next_ids, cache, fusion="embedding-first"):
     import mlx.core as mx
     from mlx_lm.models.base import create_attention_mask
 
-    head, host = _head(model), _host(model)
-    embedded = head.pre_fc_norm_embedding(host.model.embed_tokens(next_ids))
     if fusion not in FUSION_ORDERS:
         raise ValueError(f"fusion={fusion!r}: expected one of {FUSION_ORDERS}")
-    normed = head.pre_fc_norm_hidden(hidden)
+    head, family = _head(model), family_of(model)
+    embedding_norm, hidden_norm, projection = family.fusion(head)
+    embedded = embedding_norm(family.embed(model, next_ids))
+    normed = hidden_norm(hidden)
     halves = [embedded, normed] if fusion == "embedding-first" else [normed, embedded]
-    z = head.fc(mx.concatenate(halves, axis=-1))
+    z = projection(mx.concatenate(halves, axis=-1))
     mask = create_attention_mask(z, cache[0]) if cache else None
-    for layer, layer_cache in zip(head.layers, cache):
-        z = layer(z, mask=mask, cache=layer_cache)
-    out = head.norm(z)
-    if host.args.tie_word_embeddings:
-        logits = host.model.embed_tokens.as_linear(out)
-    else:
-        logits = host.lm_head(out)
-    return logits, out
+    z = family.run_layers(head, z, mask, cache)
+    out = family.head_norm(head)(z)
+    return family.logits(model, out), out
 
 
 class MTPDraftCache:
@@ -280,7 +281,7 @@ class MTPDraft:
 
         state = cache[0]
         committed = self.capture.committed(state.since)
-        vocab = _host(self.main).args.vocab_size
+        vocab = family_of(self.main).vocab_size(self.main)
         placeholder = mx.zeros((inputs.shape[0], inputs.shape[1], vocab))
         if committed is None or committed < 1 or inputs.shape[0] != 1:
             return placeholder

@@ -1,23 +1,27 @@
 """Multi-token-prediction (MTP) heads kept through ``mlx_lm.load``.
 
-Qwen3-Next and Qwen3.5/3.6 checkpoints carry a next-token-prediction head (``mtp.*`` tensors: a
-fusion ``fc`` over ``[norm(embedding), norm(hidden)]``, one or more full-attention decoder
-layers and a final norm). mlx-lm has no module for it and drops, rejects or mangles the tensors
-(see the ``mtp-heads-kept`` patch). This module builds the head from the family's own decoder
-layer class, converts the tensors from whichever layout the checkpoint uses to mlx-lm's, and
-loads them strictly.
+Qwen3-Next, Qwen3.5/3.6 and Nemotron-H (Nemotron 3 Super) checkpoints carry a
+next-token-prediction head (``mtp.*`` tensors: a fusion projection over
+``[norm(embedding), norm(hidden)]``, one or more decoder layers, a final norm). mlx-lm has no
+module for it and drops, rejects or mangles the tensors (see the ``mtp-heads-kept`` patch). This
+module builds the head from the family's own mlx-lm blocks (``mtp_families``), converts the
+tensors from whichever layout the checkpoint uses to mlx-lm's, and loads them strictly.
 
 Layouts accepted, per tensor (checkpoints mix them):
 
 * key prefixes ``mtp.``, ``model.mtp.``, ``language_model.mtp.``, ``model.language_model.mtp.``;
-* experts per expert (``experts.{e}.gate_proj.weight``, HF Qwen3-Next/3.5), fused
+* experts per expert (``experts.{e}.gate_proj.weight``, HF Qwen3-Next/3.5, Nemotron-H), fused
   (``experts.gate_up_proj`` / ``experts.down_proj``, HF Qwen3.6-style) or stacked
   (``switch_mlp.*``, MLX);
-* RMSNorm weights stored zero-centred (HF, the layer computes ``1 + w``) or shifted (MLX, where
-  ``nn.RMSNorm`` computes ``w``): decided per tensor - a norm weight whose mean is below 0.5 is
-  zero-centred and gets +1;
-* quantized exactly where the checkpoint has ``.scales`` (bits and group size read from the
-  tensor shapes; a per-layer entry in ``config["quantization"]`` wins), full precision elsewhere.
+* Qwen RMSNorm weights stored zero-centred (HF, the layer computes ``1 + w``) or shifted (MLX,
+  where ``nn.RMSNorm`` computes ``w``): decided per tensor - a norm weight whose mean is below
+  0.5 is zero-centred and gets +1 (Nemotron-H norms are stored as used);
+* quantized exactly where the checkpoint has ``.scales``, full precision elsewhere: a per-layer
+  entry of ``config["quantization"]`` for the head path (``mtp.fc``, ``language_model.mtp.fc``
+  or ``model.mtp.fc``) wins, as in mlx-lm's loader; without one, group size and bits come from
+  the stored shapes and the mode from the scales' dtype (what mlx-lm 0.32's
+  ``infer_quant_config`` does for the backbone), so a head quantized differently from the
+  config's top-level settings still loads.
 
 The head is kept *outside* the model's parameter tree (``model.mtp``, with ``model.mtp_status``
 saying what happened), so ``mlx_lm.convert``, LoRA and ``save`` behave exactly as before.
@@ -26,14 +30,11 @@ saying what happened), so ``mlx_lm.convert``, LoRA and ``save`` behave exactly a
 import re
 from typing import Optional
 
+from .mtp_families import FAMILIES, HeadUnsupported, family_of
+
 MTP_KEY = re.compile(r"(^|\.)mtp\.")
 STASH = "_mlx_lm_patches_mtp_tensors"
-FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 SIDECARS = ("mtp.safetensors",)  # model-mtp.safetensors is already read by mlx-lm's glob
-NOT_KEPT = {
-    "nemotron_h": "the nemotron_h MTP head is not kept yet (its tensors are set aside so the "
-    "model loads)",
-}
 
 
 def split(weights):
@@ -65,68 +66,16 @@ def _relative(key):
     return key[MTP_KEY.search(key).end():]
 
 
-def _backbone(model):
-    """(decoder layer class, its args, the module holding embed/lm_head) for a supported model."""
-    if model.model_type == "qwen3_next":
-        from mlx_lm.models.qwen3_next import Qwen3NextDecoderLayer
-
-        return Qwen3NextDecoderLayer, model.args
-    from mlx_lm.models.qwen3_5 import DecoderLayer
-
-    return DecoderLayer, model.language_model.args
+def build(model, n_layers: int, config=None, weights=None):
+    """An empty MTP head for ``model`` (MLX layout), built from the family's own blocks;
+    ``config`` and ``weights`` (converted) let a family read what the head is made of.
+    Raises ``HeadUnsupported`` if this mlx-lm cannot build it."""
+    return family_of(model).build(model, config or {}, weights or {}, n_layers)
 
 
-def build(model, n_layers: int):
-    """An empty MTP head for ``model`` (MLX layout): ``fc``, ``pre_fc_norm_embedding``,
-    ``pre_fc_norm_hidden``, ``layers`` (full attention, MoE where the backbone's would be),
-    ``norm``."""
-    import mlx.nn as nn
-
-    layer_class, args = _backbone(model)
-    hidden, eps = args.hidden_size, args.rms_norm_eps
-    head = nn.Module()
-    head.fc = nn.Linear(2 * hidden, hidden, bias=False)
-    head.pre_fc_norm_embedding = nn.RMSNorm(hidden, eps=eps)
-    head.pre_fc_norm_hidden = nn.RMSNorm(hidden, eps=eps)
-    head.layers = [layer_class(args, args.full_attention_interval - 1) for _ in range(n_layers)]
-    head.norm = nn.RMSNorm(hidden, eps=eps)
-    return head
-
-
-_PER_EXPERT = re.compile(r"^(layers\.\d+\.mlp)\.experts\.(\d+)\.(\w+_proj)\.(weight|scales|biases)$")
-_FUSED = re.compile(r"^(layers\.\d+\.mlp)\.experts\.(gate_up_proj|down_proj)(?:\.weight)?$")
-
-
-def to_mlx_layout(tensors) -> dict:
+def to_mlx_layout(tensors, model) -> dict:
     """Checkpoint MTP tensors -> the head's parameter names and layout (see module docstring)."""
-    import mlx.core as mx
-
-    out, experts = {}, {}
-    for key, value in tensors.items():
-        key = _relative(key)
-        per_expert = _PER_EXPERT.match(key)
-        if per_expert:
-            prefix, index, proj, leaf = per_expert.groups()
-            experts.setdefault((prefix, proj, leaf), {})[int(index)] = value
-            continue
-        fused = _FUSED.match(key)
-        if fused:
-            prefix, name = fused.groups()
-            if name == "gate_up_proj":
-                middle = value.shape[-2] // 2
-                out[f"{prefix}.switch_mlp.gate_proj.weight"] = value[..., :middle, :]
-                out[f"{prefix}.switch_mlp.up_proj.weight"] = value[..., middle:, :]
-            else:
-                out[f"{prefix}.switch_mlp.down_proj.weight"] = value
-            continue
-        parts = key.split(".")
-        if value.ndim == 1 and parts[-1] == "weight" and "norm" in parts[-2]:
-            if mx.mean(value.astype(mx.float32)).item() < 0.5:
-                value = value + 1.0  # zero-centred (1 + w) storage
-        out[key] = value
-    for (prefix, proj, leaf), by_index in experts.items():
-        out[f"{prefix}.switch_mlp.{proj}.{leaf}"] = mx.stack([by_index[e] for e in sorted(by_index)])
-    return out
+    return family_of(model).convert({_relative(k): v for k, v in tensors.items()})
 
 
 def _layer_count(weights) -> int:
@@ -134,27 +83,42 @@ def _layer_count(weights) -> int:
     return max(indices) + 1 if indices else 0
 
 
+CONFIG_PREFIXES = ("mtp.", "language_model.mtp.", "model.mtp.")  # head paths in config["quantization"]
+_MICROSCALED = {(4, 16): "nvfp4", (4, 32): "mxfp4", (8, 32): "mxfp8"}  # (bits, group) -> mode
+
+
+def stored_quantization(path, module, weights, default_mode="affine") -> dict:
+    """How the checkpoint stores layer ``path`` of the head (``module`` still unquantized):
+    group size and bits from the stored shapes; the mode from the scales (affine keeps them in
+    the weight dtype, the micro-scaled float formats in uint8, one mode per (bits, group))."""
+    import mlx.core as mx
+
+    scales = weights[f"{path}.scales"]
+    in_dims = module.weight.shape[-1]
+    params = {"group_size": in_dims // scales.shape[-1],
+              "bits": weights[f"{path}.weight"].shape[-1] * 32 // in_dims}
+    if scales.dtype == mx.uint8:
+        params["mode"] = _MICROSCALED.get((params["bits"], params["group_size"]), default_mode)
+    return params
+
+
 def _quantize_where_stored(head, weights, config) -> None:
-    """Quantize exactly the layers the checkpoint stores quantized."""
+    """Quantize exactly the layers the checkpoint stores quantized: a per-layer entry of
+    ``config["quantization"]`` for the head path wins (as in mlx-lm's own loader), otherwise the
+    stored shapes decide, otherwise full precision."""
     import mlx.nn as nn
 
+    settings = config.get("quantization") or {}
     if not any(k.endswith(".scales") for k in weights):
         return
-    settings = config.get("quantization") or {}
 
     def predicate(path, module):
-        for key in (f"mtp.{path}", f"language_model.mtp.{path}", f"model.mtp.{path}"):
-            if key in settings:
-                return settings[key]
+        for prefix in CONFIG_PREFIXES:
+            if prefix + path in settings:
+                return settings[prefix + path]
         if not hasattr(module, "to_quantized") or f"{path}.scales" not in weights:
             return False
-        in_dims = module.weight.shape[-1]
-        group_size = in_dims // weights[f"{path}.scales"].shape[-1]
-        bits = weights[f"{path}.weight"].shape[-1] * 32 // in_dims
-        params = {"group_size": group_size, "bits": bits}
-        if settings.get("mode", "affine") != "affine":
-            params["mode"] = settings["mode"]
-        return params
+        return stored_quantization(path, module, weights, settings.get("mode", "affine"))
 
     nn.quantize(head, class_predicate=predicate)
 
@@ -173,19 +137,25 @@ def attach(model, model_path, config, lazy=False) -> None:
     declared = declared_layers(config)
     model.__dict__["mtp"] = None
     model_type = getattr(model, "model_type", None)
+    if model_type not in FAMILIES and (tensors or declared):
+        aside = f"; {len(tensors)} mtp.* tensors set aside" if tensors else ""
+        model.__dict__["mtp_status"] = (
+            f"MTP heads of {model_type} are not kept yet (kept: {', '.join(sorted(FAMILIES))}){aside}")
+        return
     if not tensors:
         model.__dict__["mtp_status"] = (
             f"config declares {declared} MTP layer(s) but the checkpoint has no mtp.* tensors"
             if declared else "no MTP head in this checkpoint"
         )
         return
-    if model_type not in FAMILIES:
-        model.__dict__["mtp_status"] = NOT_KEPT.get(
-            model_type, f"MTP heads of {model_type} are not kept yet ({len(tensors)} tensors set aside)"
-        )
+    weights = to_mlx_layout(tensors, model)
+    # Qwen: one decoder layer per MTP layer; Nemotron-H: one step made of several blocks.
+    steps = (declared or 1) if model_type == "nemotron_h" else (_layer_count(weights) or max(declared, 1))
+    try:
+        head = build(model, steps, config, weights)
+    except (HeadUnsupported, TypeError, ValueError) as exc:
+        model.__dict__["mtp_status"] = f"MTP head not built: {exc}"
         return
-    weights = to_mlx_layout(tensors)
-    head = build(model, _layer_count(weights) or max(declared, 1))
     _quantize_where_stored(head, weights, config)
     problem = _strict_load(head, weights)
     if problem:

@@ -1,7 +1,8 @@
 """Checkpoints carrying an MTP head, written to disk in every form (MLX and HF layout, bf16 and
 4-bit, head in the shards, in an unlisted ``mtp.safetensors`` sidecar or in
-``model-mtp.safetensors``; dense and MoE), load through ``mlx_lm.load`` with every backbone
-tensor equal to the checkpoint's and every MTP tensor kept (``model.mtp``), patches on."""
+``model-mtp.safetensors``; dense and MoE; Qwen3-Next, Qwen3.5, Qwen3.5-MoE, Nemotron-H), load
+through ``mlx_lm.load`` with every backbone tensor equal to the checkpoint's and every MTP
+tensor kept (``model.mtp``), patches on."""
 
 import importlib.util
 
@@ -12,7 +13,7 @@ from mlx_lm_patches.testing.mtp_checkpoints import check_loaded, write_mtp_check
 
 mlx_lm_patches.apply()
 
-FAMILIES = [f for f in ("qwen3_next", "qwen3_5", "qwen3_5_moe")
+FAMILIES = [f for f in ("qwen3_next", "qwen3_5", "qwen3_5_moe", "nemotron_h")
             if importlib.util.find_spec(f"mlx_lm.models.{f}") is not None]
 FORMS = [("mlx", False, "shards"), ("hf", False, "shards"), ("mlx", True, "shards"),
          ("mlx", False, "sidecar"), ("hf", False, "sidecar"), ("mlx", True, "sidecar"),
@@ -36,8 +37,11 @@ def test_mtp_head_and_backbone_round_trip(tmp_path, family, form, quantized, pla
     if quantized:
         import mlx.nn as nn
 
-        assert isinstance(model.mtp.fc, nn.QuantizedLinear)
-        assert model.mtp.fc.bits == 4 and model.mtp.fc.group_size == 32
+        from mlx_lm_patches.mtp_families import family_of
+
+        projection = family_of(model).fusion(model.mtp)[2]  # fc / eh_proj
+        assert isinstance(projection, nn.QuantizedLinear)
+        assert projection.bits == 4 and projection.group_size == 32
 
 
 def test_lazy_load_keeps_the_head(tmp_path):
@@ -75,9 +79,61 @@ def test_checkpoint_without_mtp(tmp_path):
     assert model.mtp is None and model.mtp_status == "no MTP head in this checkpoint"
 
 
-@pytest.mark.skipif(importlib.util.find_spec("mlx_lm.models.nemotron_h") is None, reason="no nemotron_h")
-def test_nemotron_h_with_mtp_tensors_loads_and_says_the_head_is_not_kept(tmp_path):
-    written = write_mtp_checkpoint(tmp_path, "nemotron_h")
+def test_other_families_say_their_head_is_not_kept(tmp_path):
+    """A family whose MTP head is not kept (here llama declaring a DeepSeek-style MTP layer):
+    the model loads as stock mlx-lm loads it and the status says the head is not kept."""
+    from mlx_lm_patches.testing.model_folder import write_model_folder
+    from mlx_lm_patches.testing.tiny_models import build_tiny_model, tiny_config
+
+    folder = write_model_folder(tmp_path / "llama", build_tiny_model("llama"),
+                                dict(tiny_config("llama"), num_nextn_predict_layers=1))
+    model = _load(folder)
+    assert model.mtp is None
+    assert model.mtp_status == ("MTP heads of llama are not kept yet "
+                                "(kept: nemotron_h, qwen3_5, qwen3_5_moe, qwen3_next)")
+
+
+def _rewrite_config(folder, **changes):
+    """Set (or, with None, remove) keys of the checkpoint's config.json."""
+    import json
+
+    path = folder / "config.json"
+    config = dict(json.loads(path.read_text()), **changes)
+    path.write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
+
+
+def test_nemotron_h_head_follows_its_block_pattern(tmp_path):
+    """Nemotron 3 Super's MTP blocks: attention (fusion in front), then MoE (final norm behind);
+    MLP instead of MoE where this mlx-lm has no MoE block. The pattern comes from the config
+    (``mtp_hybrid_override_pattern``, or ``mtp_layers_block_type``), else from the tensors."""
+    from mlx_lm_patches.testing.mtp_checkpoints import nemotron_mtp_pattern
+
+    pattern = nemotron_mtp_pattern()
+    written = write_mtp_checkpoint(tmp_path, "nemotron_h", name="pattern")
     model = _load(written.folder)
-    assert check_loaded(model, written) is None
-    assert model.mtp is None and "not kept yet" in model.mtp_status
+    assert "".join(layer.block_type for layer in model.mtp.layers) == pattern
+    assert {"enorm", "hnorm", "eh_proj"} <= set(model.mtp.layers[0]) and "final_layernorm" in model.mtp.layers[-1]
+    names = {"*": "attention", "E": "moe", "-": "mlp"}
+    _rewrite_config(written.folder, mtp_hybrid_override_pattern=None,
+                    mtp_layers_block_type=[names[kind] for kind in pattern])
+    assert check_loaded(_load(written.folder), written) is None
+    _rewrite_config(written.folder, mtp_layers_block_type=None)  # read off the tensors
+    assert check_loaded(_load(written.folder), written) is None
+
+
+def test_nemotron_h_head_this_release_cannot_build_says_why(tmp_path):
+    from mlx_lm_patches.testing.mtp_checkpoints import nemotron_mtp_pattern
+
+    written = write_mtp_checkpoint(tmp_path, "nemotron_h", name="mamba-head")
+    _rewrite_config(written.folder, mtp_hybrid_override_pattern="*M")
+    model = _load(written.folder)
+    assert model.mtp is None
+    assert model.mtp_status == ("MTP head not built: MTP block pattern '*M': only attention ('*'), MoE ('E') "
+                                "and MLP ('-') blocks are supported")
+    assert check_loaded(model, type(written)(written.folder, "nemotron_h", written.backbone)) is None
+    if nemotron_mtp_pattern() == "*-":  # this mlx-lm has no MoE block: a Nemotron 3 Super head cannot be built
+        _rewrite_config(written.folder, mtp_hybrid_override_pattern="*E")
+        model = _load(written.folder)
+        assert model.mtp is None
+        assert model.mtp_status == ("MTP head not built: this mlx-lm's NemotronHBlock has no 'E' block "
+                                    "(MTP pattern '*E')")

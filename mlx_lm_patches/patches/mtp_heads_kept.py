@@ -1,8 +1,9 @@
 """Checkpoints with multi-token-prediction (MTP) tensors load, with the backbone intact and the
-MTP head kept (Qwen3-Next, Qwen3.5/3.6 dense and MoE).
+MTP head kept (Qwen3-Next, Qwen3.5/3.6 dense and MoE, Nemotron-H).
 
 Bug
-    mlx-lm has no module for the MTP head that Qwen3-Next and Qwen3.5/3.6 checkpoints carry, and
+    mlx-lm has no module for the MTP head that Qwen3-Next, Qwen3.5/3.6 and Nemotron-H
+    (Nemotron 3 Super) checkpoints carry, and
     its ``sanitize`` methods handle the ``mtp.*`` tensors badly (docs/research/mtp.md, measured):
     * qwen3_next, MLX-format weights (every release): ``sanitize`` returns before its ``mtp.``
       filter, so loading fails: ``Received N parameters not in model``.
@@ -17,11 +18,13 @@ Fix
     Wrap each family's ``Model.sanitize`` so the ``mtp.`` tensors are set aside before the stock
     code sees them (that alone removes the crash and the corruption), and wrap
     ``mlx_lm.utils.load_model`` - the function every load path goes through - to build the head
-    from the family's own decoder-layer class, convert the tensors to mlx-lm's layout (per
-    tensor: key prefixes, per-expert/fused/stacked experts, zero-centred or shifted norms),
-    quantize exactly the layers stored quantized, and load it strictly. The head is attached as
-    ``model.mtp`` outside the parameter tree; ``model.mtp_status`` says what happened (kept, no
-    head, declared but missing, which tensors are missing, or not kept for this family).
+    from the family's own blocks (``mtp_families``), convert the tensors to mlx-lm's layout (per
+    tensor: key prefixes, per-expert/fused/stacked experts, zero-centred or shifted Qwen norms),
+    quantize exactly the layers stored quantized (per-layer entries of ``config["quantization"]``
+    first, else the stored shapes), and load it strictly. The head is attached as ``model.mtp``
+    outside the parameter tree; ``model.mtp_status`` says what happened (kept, no head, declared
+    but missing, which tensors are missing, what this mlx-lm cannot build - e.g. a Nemotron-H
+    MoE block before 0.30.0 - or not kept for this family).
 
 Affected
     Every supported release (0.28.4 - 0.32.2); the probe decides on newer ones.
@@ -61,7 +64,9 @@ def _load_model_with_mtp(wrapped, instance, args, kwargs):
     model_path = args[0] if args else kwargs.get("model_path")
     lazy = args[1] if len(args) > 1 else kwargs.get("lazy", False)
     attach(model, model_path, config, lazy=lazy)
-    if getattr(model, "model_type", None) in ("qwen3_next", "qwen3_5", "qwen3_5_moe"):
+    from ..mtp_families import FAMILIES
+
+    if getattr(model, "model_type", None) in FAMILIES:
         from ..mtp_decoding import add_interface
 
         add_interface(model)

@@ -7,15 +7,26 @@ weights include an MTP head:
 * ``form="mlx"``: mlx-lm's own layout (what ``mlx_lm.convert`` and community MLX conversions
   write); ``form="hf"``: the Hugging Face layout (conv1d axes, zero-centred norms, per-expert
   experts for Qwen3-Next, fused experts for Qwen3.5-MoE, ``model.language_model.`` prefixes);
-* ``quantized=True``: 4-bit, group size 32, where the layer's input size allows (MLX form);
+* ``quantized``: ``True`` quantizes backbone and head (MLX form) the way ``mlx_lm.convert``
+  does: 4-bit, group size 32 where the layer's input size allows, with the family's
+  ``quant_predicate`` (8-bit, group 64 for the MoE router gates) recorded as per-layer entries of
+  ``config["quantization"]``; ``"backbone"`` or ``"head"`` quantizes that part only (the other
+  stays full precision); ``overrides`` maps module paths to per-layer settings (a dict for
+  ``to_quantized``, or ``False`` for full precision) that win and are written to the config:
+  backbone paths as mlx-lm names them (``model.layers.0.mlp.gate``), head paths prefixed
+  ``mtp.`` (or ``language_model.mtp.`` / ``model.mtp.``, as a converter might name them);
 * ``placement``: ``"shards"`` (in the model shards), ``"sidecar"`` (an ``mtp.safetensors`` the
   index does not list) or ``"model-mtp"`` (a ``model-mtp.safetensors`` file);
 * ``declare``: whether config.json declares the MTP layers; ``drop``: MTP tensors left out;
   ``dtype``: of the floating-point tensors written (default ``"bfloat16"``; ``"float32"`` for
   decoding on CPU, where mlx's MoE kernels need float32).
 
-``nemotron_h`` gets a few ``mtp.*`` tensors of its HF layout only (the head itself is not kept
-yet). :func:`check_loaded` compares a loaded model with what was written.
+``nemotron_h`` gets the Nemotron 3 Super head layout (``mtp_hybrid_override_pattern`` ``"*E"``:
+an attention block holding ``enorm``/``hnorm``/``eh_proj``, then an MoE block holding
+``final_layernorm``; the config gains the MoE settings the head needs). Releases whose
+``NemotronHBlock`` has no MoE block (before 0.30.0) get ``"*-"`` (attention, then MLP). Its HF
+form stores experts per expert (``experts.{e}.up_proj``) and norms unshifted.
+:func:`check_loaded` compares a loaded model with what was written.
 """
 
 import copy
@@ -48,8 +59,32 @@ def _random_like(params, seed):
     return out
 
 
-def _quantizable(path, module):
-    return hasattr(module, "to_quantized") and module.weight.shape[-1] % GROUP_SIZE == 0
+HEAD_PREFIXES = ("mtp.", "language_model.mtp.", "model.mtp.")
+
+
+def _quantize_part(module, *, default, family_predicate, overrides, prefixes, entries):
+    """Quantize ``module`` in place as ``mlx_lm.convert`` would (``default``: quantize what the
+    overrides do not name), recording per-layer settings in ``entries`` under their config key."""
+    import mlx.nn as nn
+
+    def predicate(path, leaf):
+        if not hasattr(leaf, "to_quantized"):
+            return False
+        for prefix in prefixes:
+            if prefix + path in overrides:
+                entries[prefix + path] = overrides[prefix + path]
+                return overrides[prefix + path]
+        if not default:
+            return False
+        params = family_predicate(path, leaf) if family_predicate else True
+        group = params["group_size"] if isinstance(params, dict) else GROUP_SIZE
+        if leaf.weight.shape[-1] % group:
+            return False
+        if isinstance(params, dict):
+            entries[prefixes[0] + path] = params
+        return params
+
+    nn.quantize(module, group_size=GROUP_SIZE, bits=BITS, class_predicate=predicate)
 
 
 def _cast(params, dtype):
@@ -58,8 +93,25 @@ def _cast(params, dtype):
     return {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in params.items()}
 
 
+NEMOTRON_MOE = {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                "moe_shared_expert_intermediate_size": 64, "n_shared_experts": 1, "n_group": 1,
+                "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 1.0}
+NEMOTRON_EXPERTS = {"fc1": "up_proj", "fc2": "down_proj"}  # mlx-lm name -> HF name
+
+
+def nemotron_mtp_pattern():
+    """``"*E"`` (Nemotron 3 Super's MTP blocks) where this mlx-lm has MoE blocks, else ``"*-"``."""
+    from mlx_lm.models.nemotron_h import ModelArgs, NemotronHBlock
+
+    from .tiny_models import tiny_config
+
+    args = ModelArgs.from_dict(dict(tiny_config("nemotron_h"), **NEMOTRON_MOE))
+    return "*E" if "mixer" in NemotronHBlock(args, "E") else "*-"
+
+
 def _to_hf(family, params, *, shift_suffixes=QWEN_NORM_SUFFIXES, shift_all_norms=False):
-    """Invert mlx-lm's sanitize for the Qwen families (enough for these tiny models)."""
+    """Invert mlx-lm's sanitize for the Qwen families and Nemotron-H (enough for these tiny
+    models)."""
     import mlx.core as mx
 
     out, fused = {}, {}
@@ -80,6 +132,7 @@ def _to_hf(family, params, *, shift_suffixes=QWEN_NORM_SUFFIXES, shift_all_norms
             if family == "qwen3_5_moe":
                 fused.setdefault(prefix, {})[proj] = value
             else:
+                proj = NEMOTRON_EXPERTS.get(proj, proj) if family == "nemotron_h" else proj
                 for e in range(value.shape[0]):
                     out[f"{prefix}.experts.{e}.{proj}.weight"] = value[e]
             continue
@@ -99,8 +152,13 @@ def _declare(config, family, layers):
     return config
 
 
+def _nemotron_head_config(config):
+    """The tiny nemotron_h config plus what its MTP head needs (MoE settings, block pattern)."""
+    return dict(config, **NEMOTRON_MOE, mtp_hybrid_override_pattern=nemotron_mtp_pattern())
+
+
 def write_mtp_checkpoint(root, family, *, form="mlx", quantized=False, placement="shards",
-                         declare=True, drop=(), name=None, dtype="bfloat16") -> Written:
+                         declare=True, drop=(), name=None, dtype="bfloat16", overrides=None) -> Written:
     import mlx.core as mx
     import mlx.nn as nn
     from mlx.utils import tree_flatten
@@ -114,27 +172,30 @@ def write_mtp_checkpoint(root, family, *, form="mlx", quantized=False, placement
     model = build_tiny_model(family, seed=0)
     folder = pathlib.Path(root) / (name or f"{family}-{form}{'-q4' if quantized else ''}-{placement}")
     if family == "nemotron_h":
-        hidden = config["hidden_size"]
-        head_tensors = {"mtp.layers.0.enorm.weight": mx.ones((hidden,)),
-                        "mtp.layers.0.hnorm.weight": mx.ones((hidden,)),
-                        "mtp.layers.0.eh_proj.weight": mx.zeros((hidden, 2 * hidden))}
-        backbone = _cast(dict(tree_flatten(model.parameters())), dtype)
-        write_model_folder(folder, model, _declare(config, family, 1) if declare else config,
-                           dtype=dtype, extra_tensors=head_tensors)
-        return Written(folder, family, backbone)
-
-    head = build(model, 1)
+        config = _nemotron_head_config(config)
+        model.args = type(model.args).from_dict(config)  # the head's blocks read the MoE settings
+    head = build(model, 1, config)
     head.load_weights(list(_random_like(dict(tree_flatten(head.parameters())), seed=1000).items()))
-    if quantized:
-        nn.quantize(model, group_size=GROUP_SIZE, bits=BITS, class_predicate=_quantizable)
-        nn.quantize(head, group_size=GROUP_SIZE, bits=BITS, class_predicate=_quantizable)
-        config = dict(config, quantization={"group_size": GROUP_SIZE, "bits": BITS})
+    if quantized or overrides:
+        overrides = dict(overrides or {})
+        entries = {}
+        family_predicate = getattr(model, "quant_predicate", None)
+        _quantize_part(model, default=quantized in (True, "backbone"), family_predicate=family_predicate,
+                       overrides=overrides, prefixes=("",), entries=entries)
+        _quantize_part(head, default=quantized in (True, "head"), family_predicate=family_predicate,
+                       overrides=overrides, prefixes=HEAD_PREFIXES, entries=entries)
+        unused = sorted(set(overrides) - set(entries))
+        if unused:
+            raise ValueError(f"overrides name no quantizable module: {unused}")
+        config = dict(config, quantization={"group_size": GROUP_SIZE, "bits": BITS, **entries})
     mx.eval(model.parameters(), head.parameters())
     backbone = _cast(dict(tree_flatten(model.parameters())), dtype)
     head_params = _cast(dict(tree_flatten(head.parameters())), dtype)
     if form == "hf":
-        weights = _to_hf(family, backbone)
-        mtp = {f"mtp.{k}": v for k, v in _to_hf(family, head_params, shift_all_norms=True).items()}
+        qwen = family != "nemotron_h"  # Nemotron-H stores norms as used
+        weights = _to_hf(family, backbone, shift_suffixes=QWEN_NORM_SUFFIXES if qwen else ())
+        mtp = {f"mtp.{k}": v for k, v in _to_hf(family, head_params, shift_all_norms=qwen,
+                                                   shift_suffixes=()).items()}
     else:
         weights = backbone
         mtp = {f"mtp.{k}": v for k, v in head_params.items()}

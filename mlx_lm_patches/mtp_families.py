@@ -1,0 +1,228 @@
+"""What differs between model families' MTP heads.
+
+A head is built from the family's own mlx-lm blocks, so each release's numerics are the
+release's own. Per family this module says how (``build``), how checkpoint tensors map to the
+head's parameters (``convert``), and where the main model keeps what the head shares: the token
+embedding, the final norm (whose input and output are the pre-/post-norm hidden states the head
+reads) and the output projection. The forward itself is the same for every family
+(``mtp_decoding.mtp_forward``): ``proj(concat[enorm(embed(x_{t+1})), hnorm(h_t)])``, the head's
+layers (attention layers with their own KV cache), the head's final norm, the shared output.
+
+* Qwen3-Next, Qwen3.5/3.6 (dense and MoE): ``fc``, ``pre_fc_norm_embedding``,
+  ``pre_fc_norm_hidden``, ``layers.{i}`` (the family's decoder layer, full attention), ``norm``.
+  HF checkpoints store RMSNorm weights zero-centred (the layer computes ``1 + w``); mlx-lm's
+  ``nn.RMSNorm`` wants ``w``: decided per tensor, since shipped checkpoints mix conventions.
+* Nemotron-H (Nemotron 3 Super): ``layers.{i}`` are ``NemotronHBlock``s (``norm``, ``mixer``)
+  following ``mtp_hybrid_override_pattern`` (or ``mtp_layers_block_type``; e.g. ``"*E"``:
+  attention, then MoE); the first also holds ``enorm``, ``hnorm`` and ``eh_proj``, the last
+  ``final_layernorm``. Norms are stored as used (no shift); experts per expert
+  (``experts.{e}.up_proj`` / ``down_proj``) are stacked into ``switch_mlp.fc1`` / ``fc2`` as
+  mlx-lm's own ``sanitize`` does for the backbone. Same layout in vLLM's ``nemotron_h_mtp.py``.
+"""
+
+import re
+
+_PER_EXPERT = re.compile(r"^(layers\.\d+\.(?:mlp|mixer))\.experts\.(\d+)\.(\w+_proj)\.(weight|scales|biases)$")
+
+
+class HeadUnsupported(ValueError):
+    """The checkpoint's head cannot be built with this mlx-lm; the message says why."""
+
+
+def _stack_experts(out, experts, rename=None):
+    import mlx.core as mx
+
+    for (prefix, proj, leaf), by_index in experts.items():
+        name = (rename or {}).get(proj, proj)
+        out[f"{prefix}.switch_mlp.{name}.{leaf}"] = mx.stack([by_index[e] for e in sorted(by_index)])
+    return out
+
+
+class Qwen:
+    """Qwen3-Next, Qwen3.5/3.6 (dense and MoE)."""
+
+    names = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
+    _FUSED = re.compile(r"^(layers\.\d+\.mlp)\.experts\.(gate_up_proj|down_proj)(?:\.weight)?$")
+
+    @staticmethod
+    def _text(model):
+        return model if model.model_type == "qwen3_next" else model.language_model
+
+    def _layer_class(self, model):
+        if model.model_type == "qwen3_next":
+            from mlx_lm.models.qwen3_next import Qwen3NextDecoderLayer
+
+            return Qwen3NextDecoderLayer
+        from mlx_lm.models.qwen3_5 import DecoderLayer
+
+        return DecoderLayer
+
+    def build(self, model, config, weights, n_layers):
+        import mlx.nn as nn
+
+        args = self._text(model).args
+        hidden, eps = args.hidden_size, args.rms_norm_eps
+        layer_class = self._layer_class(model)
+        head = nn.Module()
+        head.fc = nn.Linear(2 * hidden, hidden, bias=False)
+        head.pre_fc_norm_embedding = nn.RMSNorm(hidden, eps=eps)
+        head.pre_fc_norm_hidden = nn.RMSNorm(hidden, eps=eps)
+        # full_attention_interval - 1: a full-attention layer (MoE where the backbone's are).
+        head.layers = [layer_class(args, args.full_attention_interval - 1) for _ in range(n_layers)]
+        head.norm = nn.RMSNorm(hidden, eps=eps)
+        return head
+
+    def convert(self, tensors):
+        import mlx.core as mx
+
+        out, experts = {}, {}
+        for key, value in tensors.items():
+            per_expert = _PER_EXPERT.match(key)
+            if per_expert:
+                prefix, index, proj, leaf = per_expert.groups()
+                experts.setdefault((prefix, proj, leaf), {})[int(index)] = value
+                continue
+            fused = self._FUSED.match(key)
+            if fused:
+                prefix, name = fused.groups()
+                if name == "gate_up_proj":
+                    middle = value.shape[-2] // 2
+                    out[f"{prefix}.switch_mlp.gate_proj.weight"] = value[..., :middle, :]
+                    out[f"{prefix}.switch_mlp.up_proj.weight"] = value[..., middle:, :]
+                else:
+                    out[f"{prefix}.switch_mlp.down_proj.weight"] = value
+                continue
+            parts = key.split(".")
+            if value.ndim == 1 and parts[-1] == "weight" and "norm" in parts[-2]:
+                if mx.mean(value.astype(mx.float32)).item() < 0.5:
+                    value = value + 1.0  # zero-centred (1 + w) storage
+            out[key] = value
+        return _stack_experts(out, experts)
+
+    def fusion(self, head):
+        return head.pre_fc_norm_embedding, head.pre_fc_norm_hidden, head.fc
+
+    def attention_layers(self, head):
+        return list(head.layers)
+
+    def run_layers(self, head, z, mask, cache):
+        for layer, layer_cache in zip(head.layers, cache):
+            z = layer(z, mask=mask, cache=layer_cache)
+        return z
+
+    def head_norm(self, head):
+        return head.norm
+
+    def embed(self, model, ids):
+        return self._text(model).model.embed_tokens(ids)
+
+    def final_norm(self, model):
+        return self._text(model).model.norm
+
+    def logits(self, model, out):
+        text = self._text(model)
+        if text.args.tie_word_embeddings:
+            return text.model.embed_tokens.as_linear(out)
+        return text.lm_head(out)
+
+    def vocab_size(self, model):
+        return self._text(model).args.vocab_size
+
+
+class NemotronH:
+    """Nemotron-H (Nemotron 3 Super's MTP head)."""
+
+    names = ("nemotron_h",)
+    _BLOCK_NAMES = {"attention": "*", "full_attention": "*", "moe": "E", "mlp": "-",
+                    "mamba": "M", "linear_attention": "M"}
+
+    def pattern(self, config, weights):
+        """The head's block types: from the config, or read off the tensors."""
+        pattern = config.get("mtp_hybrid_override_pattern")
+        if not pattern and config.get("mtp_layers_block_type"):
+            pattern = "".join(self._BLOCK_NAMES.get(b, "?") for b in config["mtp_layers_block_type"])
+        if pattern:
+            return pattern
+        kinds = {}
+        for key in weights:
+            match = re.match(r"^layers\.(\d+)\.mixer\.(\w+)", key)
+            if match:
+                name = match.group(2)
+                kind = ("*" if name in ("q_proj", "k_proj", "v_proj", "o_proj") else
+                        "E" if name in ("switch_mlp", "gate", "shared_experts") else
+                        "M" if name in ("A_log", "in_proj", "conv1d", "dt_bias") else "-")
+                kinds[int(match.group(1))] = kind
+        return "".join(kinds.get(i, "?") for i in range(max(kinds) + 1)) if kinds else ""
+
+    def build(self, model, config, weights, n_layers):
+        import mlx.nn as nn
+        from mlx_lm.models.nemotron_h import NemotronHBlock
+
+        if n_layers != 1:
+            raise HeadUnsupported(f"{n_layers} MTP steps declared; Nemotron-H heads have one")
+        pattern = self.pattern(config, weights)
+        if not pattern or set(pattern) - set("*E-"):
+            raise HeadUnsupported(f"MTP block pattern {pattern!r}: only attention ('*'), MoE ('E') and "
+                                  "MLP ('-') blocks are supported")
+        args = model.args
+        layers = [NemotronHBlock(args, kind) for kind in pattern]
+        missing = [kind for kind, layer in zip(pattern, layers) if "mixer" not in layer]
+        if missing:
+            raise HeadUnsupported(f"this mlx-lm's NemotronHBlock has no {missing[0]!r} block "
+                                  f"(MTP pattern {pattern!r})")
+        hidden, eps = args.hidden_size, layers[0].norm.eps
+        first, last = layers[0], layers[-1]
+        first.enorm = nn.RMSNorm(hidden, eps=eps)
+        first.hnorm = nn.RMSNorm(hidden, eps=eps)
+        first.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
+        last.final_layernorm = nn.RMSNorm(hidden, eps=eps)
+        head = nn.Module()
+        head.layers = layers
+        return head
+
+    def convert(self, tensors):
+        out, experts = {}, {}
+        for key, value in tensors.items():
+            per_expert = _PER_EXPERT.match(key)
+            if per_expert:
+                prefix, index, proj, leaf = per_expert.groups()
+                experts.setdefault((prefix, proj, leaf), {})[int(index)] = value
+            else:
+                out[key] = value
+        return _stack_experts(out, experts, rename={"up_proj": "fc1", "down_proj": "fc2"})
+
+    def fusion(self, head):
+        first = head.layers[0]
+        return first.enorm, first.hnorm, first.eh_proj
+
+    def attention_layers(self, head):
+        return [layer for layer in head.layers if layer.block_type == "*"]
+
+    def run_layers(self, head, z, mask, cache):
+        caches = iter(cache)
+        for layer in head.layers:
+            z = layer(z, mask=mask, cache=next(caches)) if layer.block_type == "*" else layer(z)
+        return z
+
+    def head_norm(self, head):
+        return head.layers[-1].final_layernorm
+
+    def embed(self, model, ids):
+        return model.backbone.embeddings(ids)
+
+    def final_norm(self, model):
+        return model.backbone.norm_f
+
+    def logits(self, model, out):
+        return model.lm_head(out)
+
+    def vocab_size(self, model):
+        return model.args.vocab_size
+
+
+FAMILIES = {name: family for family in (Qwen(), NemotronH()) for name in family.names}
+
+
+def family_of(model):
+    """The family descriptor of ``model``, or ``None`` if its MTP heads are not kept."""
+    return FAMILIES.get(getattr(model, "model_type", None))

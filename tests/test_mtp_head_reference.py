@@ -1,0 +1,103 @@
+"""The MTP head computes what its documented contract says, checked against an independent
+reference: the fusion written out by hand (``W @ concat[rmsnorm(embed(x_{t+1})) * w_e,
+rmsnorm(h_t) * w_h]``), then the head's layers run by *mlx-lm's own model* of the family - a
+one-step model whose layers are the head's blocks (same tensors), whose input embeddings are the
+fused vectors, whose final norm is the head's and whose output projection is the main model's.
+``model.mtp_forward`` must give that model's logits (within the log-probability tolerance), for
+every family whose head is kept. Float32 checkpoints written to disk, patches on."""
+
+import importlib.util
+
+import pytest
+
+import mlx_lm_patches
+from mlx_lm_patches.scenarios import LOGPROB_TOLERANCE, prompt_tokens
+from mlx_lm_patches.testing.mtp_checkpoints import write_mtp_checkpoint
+
+mlx_lm_patches.apply()
+
+FAMILIES = [f for f in ("qwen3_next", "qwen3_5", "qwen3_5_moe", "nemotron_h")
+            if importlib.util.find_spec(f"mlx_lm.models.{f}") is not None]
+
+
+def _rms(x, weight, eps):
+    import mlx.core as mx
+
+    return x * mx.rsqrt(mx.mean(x * x, axis=-1, keepdims=True) + eps) * weight
+
+
+def _one_step_model(model, config, head, fused):
+    """mlx-lm's own model of ``model``'s family holding the head's blocks as its layers, the
+    fused vectors as its first embedding rows, the head's final norm, the main output layer."""
+    import copy
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from mlx_lm_patches.testing.tiny_models import _model_classes
+
+    config = copy.deepcopy(config)
+    text = config.get("text_config", config)
+    tokens = fused.shape[1]
+    if model.model_type == "nemotron_h":
+        config["hybrid_override_pattern"] = "".join(layer.block_type for layer in head.layers)
+        config["num_hidden_layers"] = len(head.layers)
+        prefix, embed, norm, lm_head = "backbone.", "backbone.embeddings.weight", "backbone.norm_f.weight", "lm_head"
+        blocks = {f"layers.{i}.{k}": v for i, layer in enumerate(head.layers)
+                  for k, v in tree_flatten(layer.parameters())
+                  if k.startswith(("norm.", "mixer."))}
+        final_norm = head.layers[-1].final_layernorm.weight
+        main_head = model.lm_head
+    else:
+        text["num_hidden_layers"], text["full_attention_interval"] = 1, 1  # one full-attention layer
+        inner = "model." if model.model_type == "qwen3_next" else "language_model.model."
+        prefix, embed, norm = inner, f"{inner}embed_tokens.weight", f"{inner}norm.weight"
+        lm_head = "lm_head" if model.model_type == "qwen3_next" else "language_model.lm_head"
+        blocks = {f"layers.0.{k}": v for k, v in tree_flatten(head.layers[0].parameters())}
+        final_norm = head.norm.weight
+        main_head = model.lm_head if model.model_type == "qwen3_next" else model.language_model.lm_head
+    model_class, args_class = _model_classes(config, model.model_type)
+    reference = model_class(args_class.from_dict(config))
+    table = mx.zeros((text["vocab_size"], fused.shape[-1]))
+    table[:tokens] = fused[0]
+    weights = {f"{prefix}{k}": v for k, v in blocks.items()}
+    weights.update({embed: table, norm: final_norm, f"{lm_head}.weight": main_head.weight})
+    reference.load_weights(list(weights.items()), strict=True)
+    reference.eval()
+    return reference
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_mtp_forward_is_the_documented_head(tmp_path, family):
+    import json
+
+    import mlx.core as mx
+
+    from mlx_lm import load
+
+    written = write_mtp_checkpoint(tmp_path, family, dtype="float32")
+    model = load(str(written.folder))[0]
+    config = json.loads((written.folder / "config.json").read_text())
+    sequence = prompt_tokens(14, seed=11)
+    model.make_draft_model()  # installs the hidden-state capture
+    model(mx.array(sequence)[None])
+    hidden = model.hidden_states()["post"][:, :-1]
+    next_ids = mx.array(sequence[1:])[None]
+    logits, _ = model.mtp_forward(hidden, next_ids, model.make_mtp_cache())
+
+    # The documented names, read directly (not through mtp_families).
+    if family == "nemotron_h":
+        first = model.mtp.layers[0]
+        embedding_norm, hidden_norm, projection = first.enorm, first.hnorm, first.eh_proj
+        embedded = model.backbone.embeddings(next_ids)
+    else:
+        head = model.mtp
+        embedding_norm, hidden_norm, projection = head.pre_fc_norm_embedding, head.pre_fc_norm_hidden, head.fc
+        text = model if family == "qwen3_next" else model.language_model
+        embedded = text.model.embed_tokens(next_ids)
+    fused = mx.concatenate([_rms(embedded, embedding_norm.weight, embedding_norm.eps),
+                            _rms(hidden, hidden_norm.weight, hidden_norm.eps)], axis=-1) @ projection.weight.T
+    reference = _one_step_model(model, config, model.mtp, fused)
+    expected = reference(mx.arange(fused.shape[1])[None])
+    worst = mx.abs(logits - expected).max().item()
+    assert worst < LOGPROB_TOLERANCE, worst
