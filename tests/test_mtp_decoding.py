@@ -1,6 +1,7 @@
 """MTP self-speculative decoding: ``model.make_draft_model()`` (or ``--draft-model mtp``) as the
 draft of mlx-lm's own speculative loop equals greedy decoding of the model, for dense and MoE,
-hybrid MTP models; the draft's proposals are the MTP head's predictions at the right positions;
+hybrid MTP models (Qwen3-Next, Qwen3.5, Qwen3.5-MoE, Nemotron-H); the draft's proposals are the
+MTP head's predictions at the right positions;
 missing heads give clear errors. Checkpoints are tiny, float32, written to disk and loaded with
 ``mlx_lm.load``, patches on."""
 
@@ -9,12 +10,12 @@ import importlib.util
 import pytest
 
 import mlx_lm_patches
-from mlx_lm_patches.scenarios import greedy, prompt_tokens, speculative_greedy
+from mlx_lm_patches.scenarios import LOGPROB_TOLERANCE, Decoded, greedy, prompt_tokens, speculative_greedy
 from mlx_lm_patches.testing.mtp_checkpoints import write_mtp_checkpoint
 
 mlx_lm_patches.apply()
 
-FAMILIES = [f for f in ("qwen3_next", "qwen3_5", "qwen3_5_moe")
+FAMILIES = [f for f in ("qwen3_next", "qwen3_5", "qwen3_5_moe", "nemotron_h")
             if importlib.util.find_spec(f"mlx_lm.models.{f}") is not None]
 
 
@@ -45,14 +46,43 @@ def test_mtp_speculation_equals_greedy(loaded, family, hidden, fusion):
     assert reference.compare(got) is None
 
 
+@pytest.mark.parametrize("hidden", ["post", "pre"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_draft_proposals_are_the_heads_predictions_at_the_committed_position(loaded, family):
-    """Each round's first draft token is argmax of the MTP head over the true sequence at slot
-    C-1 (main hidden h_{C-1}, token x_C), C being what the main model has committed."""
+def test_mtp_speculation_with_accepted_proposals_equals_greedy(loaded, family, hidden):
+    """A random head's proposals are all rejected; with the true token hinted for two targets
+    in three (the head still runs, see ``testing/mtp_drafts.py``) rounds accept some, all or
+    none of their drafts, and the output is still the greedy output."""
+    import mlx.core as mx
+    from mlx_lm.generate import speculative_generate_step
+
+    from mlx_lm_patches.testing.mtp_drafts import hinted_draft
+
+    model = loaded[family][0]
+    prompt = prompt_tokens(17, seed=4)
+    reference = greedy(model, prompt, max_tokens=16)
+    for num_draft in (1, 2, 3):
+        draft = hinted_draft(model, prompt + reference.tokens, hidden=hidden)
+        steps = list(speculative_generate_step(mx.array(prompt), model, draft, num_draft_tokens=num_draft,
+                                               max_tokens=16))
+        accepted = sum(bool(from_draft) for _, _, from_draft in steps)
+        assert 0 < accepted < len(steps) - 1, accepted
+        got = Decoded([int(t) for t, _, _ in steps], [lp for _, lp, _ in steps])
+        assert reference.compare(got) is None, f"num_draft_tokens={num_draft}: {reference.compare(got)}"
+
+
+@pytest.mark.parametrize("hinted", [False, True], ids=["own-proposals", "with-accepted-rounds"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_draft_proposals_are_the_heads_predictions_at_the_committed_position(loaded, family, hinted):
+    """Each round's first draft logits are the MTP head's over the true sequence at slot C-1
+    (main hidden h_{C-1}, token x_C, the head's cache holding every earlier slot), C being what
+    the main model has committed - also after rounds that accepted drafts, where the head
+    catches its cache up over several positions. Compared with one cold pass of the head over
+    the whole sequence, within the log-probability tolerance."""
     import mlx.core as mx
     from mlx_lm.generate import speculative_generate_step
 
     from mlx_lm_patches.mtp_decoding import MTPDraft, mtp_forward
+    from mlx_lm_patches.testing.mtp_drafts import hinted_draft
 
     model = loaded[family][0]
     proposals = []
@@ -63,20 +93,26 @@ def test_draft_proposals_are_the_heads_predictions_at_the_committed_position(loa
             new_round = cache[0].round_of != committed
             logits = super().__call__(inputs, cache=cache, **kwargs)
             if new_round and committed:
-                proposals.append((committed, int(mx.argmax(logits[0, -1]).item())))
+                proposals.append((committed, logits[0, -1]))
             return logits
 
     prompt = prompt_tokens(15, seed=9)
-    steps = speculative_generate_step(mx.array(prompt), model, Recording(model), num_draft_tokens=2, max_tokens=10)
+    draft = Recording(model)
+    if hinted:
+        draft = hinted_draft(model, prompt + greedy(model, prompt, max_tokens=10).tokens, draft=draft)
+    steps = list(speculative_generate_step(mx.array(prompt), model, draft, num_draft_tokens=2, max_tokens=10))
     sequence = prompt + [int(t) for t, _, _ in steps]
     assert len(proposals) >= 3
+    assert any(from_draft for _, _, from_draft in steps) == hinted
     model(mx.array(sequence)[None])  # cold forward: the capture records every position
     post = model.hidden_states()["post"]
     logits, _ = mtp_forward(model, post[:, :-1], mx.array(sequence[1:])[None], model.make_mtp_cache())
-    checked = [(c, t) for c, t in proposals if c < len(sequence)]  # x_C must be in the sequence
+    checked = [(c, row) for c, row in proposals if c < len(sequence)]  # x_C must be in the sequence
     assert len(checked) >= 3
-    for committed, token in checked:
-        assert token == int(mx.argmax(logits[0, committed - 1]).item()), (committed, token)
+    for committed, row in checked:
+        assert int(mx.argmax(row).item()) == int(mx.argmax(logits[0, committed - 1]).item()), committed
+        worst = mx.abs(row - logits[0, committed - 1]).max().item()
+        assert worst < LOGPROB_TOLERANCE, (committed, worst)
 
 
 def test_missing_head_is_a_clear_error(tmp_path):
