@@ -28,6 +28,7 @@ def _status(args) -> int:
         "mlx_lm_patches": _version(),
         "mlx_lm": eng.mlx_lm.describe(),
         "mlx": eng.mlx.describe(),
+        "packages": {d.name: d.describe() for d in eng.other_packages()},
         "activation": eng.activation or _why_inactive(armed_by()),
         "matrix": str(eng.matrix.path),
         "patches": [r.to_dict() for r in rows],
@@ -35,12 +36,14 @@ def _status(args) -> int:
     if args.json:
         print(json.dumps(info, indent=2))
     else:
-        print(f"mlx-lm-patches {info['mlx_lm_patches']}: mlx-lm {info['mlx_lm']}, mlx {info['mlx']}")
+        others = "".join(f", {name} {version}" for name, version in info["packages"].items())
+        print(f"mlx-lm-patches {info['mlx_lm_patches']}: mlx-lm {info['mlx_lm']}, mlx {info['mlx']}{others}")
         print(f"activation: {info['activation']}")
         print(f"matrix: {info['matrix']}")
         width = max((len(r.id) for r in rows), default=2)
         for r in rows:
-            print(f"  {r.id:<{width}}  {r.state:<15}  affected {r.affected}")
+            about = "" if r.package == "mlx-lm" else f"{r.package} "
+            print(f"  {r.id:<{width}}  {r.state:<15}  affected {about}{r.affected}")
             print(f"  {'':<{width}}  {r.summary}")
             if r.detail:
                 print(f"  {'':<{width}}  -> {r.detail}")
@@ -101,8 +104,9 @@ def render_table(the_matrix) -> str:
         "|---|---|---|---|",
     ]
     for spec in the_matrix.patches:
-        fixed = str(spec.fixed_in) if spec.fixed_in else "not yet"
-        lines.append(f"| `{spec.id}` | {spec.summary} | `{spec.affected}` | {fixed} |")
+        about = "" if spec.package == "mlx-lm" else f"{spec.package} "
+        fixed = f"{about}{spec.fixed_in}" if spec.fixed_in else "not yet"
+        lines.append(f"| `{spec.id}` | {spec.summary} | {about}`{spec.affected}` | {fixed} |")
     return "\n".join(lines)
 
 

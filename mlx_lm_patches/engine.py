@@ -1,7 +1,8 @@
 """The engine: decides, per patch, whether to apply it, applies it, reverts it, reports on it.
 
 Per patch, in this order: disabled by the environment or the caller -> ``disabled``; installed
-mlx-lm outside the affected range -> ``skipped:version``; otherwise a post-import hook waits for
+mlx-lm (or the distribution the patch names as its ``package``, e.g. mlx-vlm) missing or outside
+the affected range -> ``skipped:version``; otherwise a post-import hook waits for
 the patch's anchor module (``pending``); when it is imported the patch module's ``probe()``
 looks for the bug: absent -> ``skipped:probe``, present -> ``apply(patcher)`` -> ``applied``
 (or ``failed``). ``revert`` restores the original objects -> ``reverted``.
@@ -11,6 +12,7 @@ Failures are contained. Automatic activation logs them and lets ``import mlx_lm`
 All state changes happen under one re-entrant lock; imports happen outside it.
 """
 
+import difflib
 import importlib
 import logging
 import sys
@@ -51,6 +53,7 @@ class PatchStatus:
     targets: List[str]
     upstream: List[str]
     metal: Optional[str] = None  # where the fix takes a different path on Apple GPUs
+    package: str = matrix.MLX_LM  # the distribution ``affected`` is about
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -70,7 +73,8 @@ class _Record:
 
 class Engine:
     def __init__(self, the_matrix: matrix.Matrix, patch_package: str = matrix.PATCH_PACKAGE,
-                 installed: Optional[versions.InstalledDist] = None):
+                 installed: Optional[versions.InstalledDist] = None,
+                 packages: Optional[Dict[str, versions.InstalledDist]] = None):
         self.matrix = the_matrix
         self.patch_package = patch_package
         self.lock = threading.RLock()
@@ -79,6 +83,21 @@ class Engine:
         self._seq = 0
         self.mlx_lm = installed or versions.mlx_lm()
         self.mlx = versions.mlx()
+        self._packages: Dict[str, versions.InstalledDist] = dict(packages or {})
+
+    def installed(self, package: str) -> versions.InstalledDist:
+        """The installed version of ``package`` (read once, from distribution metadata)."""
+        if package == matrix.MLX_LM:
+            return self.mlx_lm
+        with self.lock:
+            if package not in self._packages:
+                self._packages[package] = versions.installed(package)
+            return self._packages[package]
+
+    def other_packages(self) -> List[versions.InstalledDist]:
+        """The distributions besides mlx-lm that patches are about, as installed."""
+        names = dict.fromkeys(s.package for s in self.matrix.patches if s.package != matrix.MLX_LM)
+        return [self.installed(name) for name in names]
 
     def patch_module(self, pid: str):
         return importlib.import_module(self.records[pid].spec.module_in(self.patch_package))
@@ -93,10 +112,18 @@ class Engine:
         unknown = [i for i in ids if i not in self.records]
         if unknown:
             raise ValueError(
-                f"{what}: unknown patch id(s) {', '.join(map(repr, unknown))}; "
+                f"{what}: unknown patch id(s) {self._name_unknown(unknown)}; "
                 f"known: {', '.join(self.records)}"
             )
         return ids
+
+    def _name_unknown(self, unknown) -> str:
+        """``'recurrent_rollback' (did you mean 'recurrent-rollback'?), 'x'``."""
+        named = []
+        for pid in unknown:
+            close = difflib.get_close_matches(pid.replace("_", "-").lower(), list(self.records), n=1)
+            named.append(f"{pid!r} (did you mean {close[0]!r}?)" if close else repr(pid))
+        return ", ".join(named)
 
     def _env_disabled(self, raise_errors: bool) -> set:
         try:
@@ -113,12 +140,13 @@ class Engine:
         unknown = [i for i in listed if i not in self.records]
         if unknown:
             message = (
-                f"{env.DISABLE} names unknown patch id(s) {', '.join(map(repr, unknown))}; "
+                f"{env.DISABLE} names unknown patch id(s) {self._name_unknown(unknown)}; "
                 f"known: {', '.join(self.records)}"
             )
             if raise_errors:
                 raise env.EnvError(message)
-            log.warning("mlx-lm-patches: %s", message)
+            log.warning("mlx-lm-patches: %s; the unknown id(s) are ignored, every other patch "
+                        "applies as usual", message)
         return {i for i in listed if i in self.records}
 
     # -- apply ------------------------------------------------------------------------------
@@ -127,12 +155,13 @@ class Engine:
         chosen = self.resolve_ids(ids, "only")
         excluded = set(self.resolve_ids(exclude, "exclude")) if exclude else set()
         disabled = self._env_disabled(raise_errors) | excluded
-        version = self.mlx_lm.parsed
         to_import = []
         with self.lock:
             for pid in chosen:
                 rec = self.records[pid]
                 if rec.state in (State.APPLIED, State.PENDING):
+                    if rec.state is State.PENDING:  # e.g. armed by automatic activation
+                        to_import.append(rec.spec.anchor)
                     continue  # idempotent
                 rec.raise_errors = raise_errors
                 rec.error = None
@@ -140,15 +169,18 @@ class Engine:
                     why = "excluded by the caller" if pid in excluded else f"{env.DISABLE}"
                     self._set(rec, State.DISABLED, f"disabled ({why})")
                     continue
+                package = rec.spec.package
+                dist = self.installed(package)
+                version = dist.parsed
                 if version is None:
-                    self._set(rec, State.SKIPPED_VERSION, f"mlx-lm {self.mlx_lm.describe()}")
+                    self._set(rec, State.SKIPPED_VERSION, f"{package} {dist.describe()}")
                     continue
                 if not rec.spec.affects(version):
                     fixed = f"; fixed in {rec.spec.fixed_in}" if rec.spec.fixed_in else ""
                     self._set(
                         rec,
                         State.SKIPPED_VERSION,
-                        f"mlx-lm {self.mlx_lm.describe()} is outside {rec.spec.affected}{fixed}",
+                        f"{package} {dist.describe()} is outside {rec.spec.affected}{fixed}",
                     )
                     continue
                 self._set(rec, State.PENDING, f"waiting for import of {rec.spec.anchor}")
@@ -280,6 +312,7 @@ class Engine:
             targets=list(spec.targets),
             upstream=list(spec.upstream),
             metal=spec.metal_note,
+            package=spec.package,
         )
 
     def rows(self) -> List[PatchStatus]:

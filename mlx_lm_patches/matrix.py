@@ -15,6 +15,9 @@ from packaging.version import InvalidVersion, Version
 
 _ID = re.compile(r"^[a-z][a-z0-9]*(-[a-z0-9]+)*$")
 _TARGET = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+_DISTRIBUTION = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?$")
+
+MLX_LM = "mlx-lm"
 
 
 PATCH_PACKAGE = "mlx_lm_patches.patches"
@@ -34,6 +37,7 @@ class PatchSpec:
     targets: Tuple[str, ...]
     probe: str
     metal_note: Optional[str] = None
+    package: str = MLX_LM  # the distribution whose version ``affected`` is about
 
     @property
     def module_name(self) -> str:
@@ -59,10 +63,12 @@ class TestedVersion:
     mlx_lm: str
     mlx: str
     python: str
+    packages: Tuple[Tuple[str, str], ...] = ()  # further distributions installed: (name, version)
 
     @property
     def name(self) -> str:
-        return f"mlx-lm-{self.mlx_lm}_mlx-{self.mlx}_py{self.python}"
+        extra = "".join(f"_{name}-{version}" for name, version in self.packages)
+        return f"mlx-lm-{self.mlx_lm}_mlx-{self.mlx}_py{self.python}{extra}"
 
 
 @dataclass(frozen=True)
@@ -131,18 +137,29 @@ def _specifier(text, where) -> SpecifierSet:
 
 
 def _tested(row, where) -> TestedVersion:
-    if not isinstance(row, dict) or set(row) != {"mlx_lm", "mlx", "python"}:
-        raise MatrixError(f"{where}: expected keys mlx_lm, mlx, python; got {row!r}")
+    if not isinstance(row, dict) or not {"mlx_lm", "mlx", "python"} <= set(row) <= {"mlx_lm", "mlx", "python", "packages"}:
+        raise MatrixError(f"{where}: expected keys mlx_lm, mlx, python (and optionally packages); got {row!r}")
     for key in ("mlx_lm", "mlx"):
         try:
             Version(str(row[key]))
         except InvalidVersion:
             raise MatrixError(f"{where}: {key}={row[key]!r} is not a version") from None
-    return TestedVersion(str(row["mlx_lm"]), str(row["mlx"]), str(row["python"]))
+    packages = row.get("packages") or {}
+    if not isinstance(packages, dict):
+        raise MatrixError(f"{where}: packages must map distribution names to versions; got {packages!r}")
+    for name, version in packages.items():
+        if not _DISTRIBUTION.match(str(name)) or str(name) in (MLX_LM, "mlx"):
+            raise MatrixError(f"{where}: packages: {name!r} is not a further distribution name")
+        try:
+            Version(str(version))
+        except InvalidVersion:
+            raise MatrixError(f"{where}: packages: {name}={version!r} is not a version") from None
+    return TestedVersion(str(row["mlx_lm"]), str(row["mlx"]), str(row["python"]),
+                         tuple(sorted((str(n), str(v)) for n, v in packages.items())))
 
 
 _PATCH_KEYS = {"id", "summary", "affected", "fixed_in", "upstream", "targets", "probe"}
-_OPTIONAL_KEYS = {"metal_note"}
+_OPTIONAL_KEYS = {"metal_note", "package"}
 
 
 def _patch(row, where) -> PatchSpec:
@@ -158,10 +175,18 @@ def _patch(row, where) -> PatchSpec:
     where = f"{where} ({pid})"
     if not _ID.match(pid):
         raise MatrixError(f"{where}: id must be kebab-case (a-z, 0-9, '-')")
+    package = str(row.get("package", MLX_LM))
+    if not _DISTRIBUTION.match(package):
+        raise MatrixError(f"{where}: package {package!r} is not a distribution name")
     targets = tuple(row["targets"] or ())
     bad = [t for t in targets if not isinstance(t, str) or not _TARGET.match(t)]
     if not targets or bad:
         raise MatrixError(f"{where}: targets must be non-empty 'module:qualname' strings; bad: {bad}")
+    if "package" in row:  # a patch of another distribution touches only that distribution
+        top = package.replace("-", "_")
+        outside = [t for t in targets if t.split(":")[0] != top and not t.startswith(top + ".")]
+        if outside:
+            raise MatrixError(f"{where}: targets must lie in {package}'s modules ({top}.*); outside: {outside}")
     fixed_in = row["fixed_in"]
     if fixed_in is not None:
         try:
@@ -180,4 +205,5 @@ def _patch(row, where) -> PatchSpec:
         targets=targets,
         probe=str(row["probe"]),
         metal_note=row.get("metal_note"),
+        package=package,
     )

@@ -71,16 +71,22 @@ def mlx_lm_version():
 
 
 def affected(patch_id):
-    """Whether compat_matrix.yaml says the installed mlx-lm has the bug ``patch_id`` fixes."""
+    """Whether compat_matrix.yaml says the installed mlx-lm (or the distribution the patch names
+    as its ``package``) has the bug ``patch_id`` fixes; never where that distribution is missing."""
     from mlx_lm_patches import matrix, versions
 
-    return matrix.load().get(patch_id).affects(versions.mlx_lm().parsed)
+    spec = matrix.load().get(patch_id)
+    version = versions.installed(spec.package).parsed
+    return version is not None and spec.affects(version)
 
 
 def xfail_if_affected(patch_id, reason=""):
     """Strict xfail where the matrix says affected: an upstream fix makes the test XPASS,
     which fails the run and forces the range in compat_matrix.yaml to be narrowed."""
+    from mlx_lm_patches import matrix
+
+    package = matrix.load().get(patch_id).package
     return pytest.mark.xfail(
         affected(patch_id), strict=True,
-        reason=reason or f"compat_matrix.yaml: {patch_id} affects this mlx-lm (stock is broken)",
+        reason=reason or f"compat_matrix.yaml: {patch_id} affects this {package} (stock is broken)",
     )

@@ -367,3 +367,67 @@ def test_revert_all_undoes_stacked_patches_latest_first(tmp_path, monkeypatch):
     assert all("replaced" not in eng.row(pid).detail for pid in ("stack-base", "stack-top"))
     eng.revert(["stack-base", "stack-top"])
     assert "added" not in vars(core.Cache)
+
+
+def test_a_patch_of_another_distribution_is_gated_on_that_distribution(tmp_path, monkeypatch):
+    """``package: <dist>`` entries: the version gate reads that distribution (missing ->
+    skipped:version, outside the range -> skipped:version), the anchor is in its modules, and
+    status says which distribution the range is about. mlx-lm's version plays no part."""
+    fake = Fake(tmp_path, monkeypatch)
+    other = f"fakevlm{next(_counter)}"
+    (tmp_path / other).mkdir()
+    (tmp_path / other / "__init__.py").write_text("")
+    (tmp_path / other / "lang.py").write_text("def offset_user(o):\n    return 'stock'\n")
+    (tmp_path / fake.pkg / "vlm_fix.py").write_text(textwrap.dedent(f"""
+        def probe():
+            return "bug seen"
+
+        def apply(p):
+            p.wrap("{other}.lang:offset_user", lambda wrapped, instance, args, kwargs: "fixed")
+    """))
+    path = tmp_path / "vlm.yaml"
+    path.write_text(textwrap.dedent(f"""
+        schema: 1
+        supported: ">=1.0"
+        tested_versions:
+          - {{mlx_lm: "1.2", mlx: "1.0", python: "3.12", packages: {{{other}: "0.4.0"}}}}
+        patches:
+          - {{id: vlm-fix, package: {other}, summary: s, affected: "<=0.4.0", fixed_in: null, upstream: [], targets: ["{other}.lang:offset_user"], probe: p}}
+    """))
+    the_matrix = matrix.load(str(path))
+    assert the_matrix.tested_versions[0].name == f"mlx-lm-1.2_mlx-1.0_py3.12_{other}-0.4.0"
+
+    def engine_with(version):
+        dist = versions.InstalledDist(other, version, "release" if version else "missing")
+        return Engine(the_matrix, patch_package=fake.pkg, installed=versions.InstalledDist("fakelib", "0.1"),
+                      packages={other: dist})
+
+    missing = engine_with(None)
+    missing.request(["vlm-fix"])
+    assert missing.records["vlm-fix"].state is State.SKIPPED_VERSION
+    assert missing.row("vlm-fix").detail == f"{other} not installed"
+    newer = engine_with("0.5.0")
+    newer.request(["vlm-fix"])
+    assert newer.records["vlm-fix"].state is State.SKIPPED_VERSION
+    assert f"{other} 0.5.0 is outside <=0.4.0" in newer.row("vlm-fix").detail
+    eng = engine_with("0.4.0")  # mlx-lm ("fakelib" 0.1) is outside every mlx-lm range: irrelevant
+    eng.request(["vlm-fix"], import_anchors=False)
+    assert eng.records["vlm-fix"].state is State.PENDING
+    assert f"waiting for import of {other}.lang" in eng.row("vlm-fix").detail
+    __import__(f"{other}.lang")
+    assert eng.records["vlm-fix"].state is State.APPLIED
+    assert sys.modules[f"{other}.lang"].offset_user(1) == "fixed"
+    row = eng.row("vlm-fix")
+    assert (row.package, row.affected) == (other, "<=0.4.0")
+    assert [d.describe() for d in eng.other_packages()] == ["0.4.0"]
+    eng.revert(["vlm-fix"])
+    assert sys.modules[f"{other}.lang"].offset_user(1) == "stock"
+
+
+def test_explicit_request_imports_the_anchors_of_pending_patches(fake):
+    """Automatic activation leaves patches pending on their anchors; a later explicit request
+    imports those anchors, so the patches are decided (as ``apply()`` promises)."""
+    fake.engine.request(["trim-fix"], raise_errors=False, import_anchors=False)
+    assert fake.state("trim-fix") is State.PENDING
+    fake.engine.request(["trim-fix"])
+    assert fake.state("trim-fix") is State.APPLIED

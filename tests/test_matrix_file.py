@@ -43,8 +43,16 @@ def test_patch_modules_only_declare_targets_under_their_entry(the_matrix):
     for spec in the_matrix.patches:
         source = (PATCH_DIR / f"{spec.id.replace('-', '_')}.py").read_text()
         for node in ast.walk(ast.parse(source)):
-            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("mlx_lm.") and ":" in node.value:
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith(("mlx_lm.", "mlx_vlm.")) and ":" in node.value:
                 assert any(node.value == t or node.value.startswith(t + ".") for t in spec.targets), node.value
+
+
+def test_patches_of_other_distributions_anchor_in_them(the_matrix):
+    """A patch about another distribution's bug (``package``, e.g. mlx-vlm) is decided when that
+    distribution's module is imported, and touches nothing else."""
+    for spec in the_matrix.patches:
+        top = spec.package.replace("-", "_")
+        assert all(t.split(":")[0] == top or t.startswith(top + ".") for t in spec.targets), spec.id
 
 
 def test_tested_versions_cover_the_supported_range(the_matrix):
@@ -78,6 +86,12 @@ def test_readme_table_is_generated_from_the_matrix(the_matrix):
     (lambda d: d["patches"][0].update(surprise=1), "unknown keys"),
     (lambda d: d["patches"].append(dict(d["patches"][0])), "duplicate"),
     (lambda d: d["tested_versions"].append({"mlx_lm": "x"}), "expected keys"),
+    (lambda d: d["tested_versions"].append({"mlx_lm": "0.32.2", "mlx": "0.32.4", "python": "3.12",
+                                            "packages": {"mlx-vlm": "new"}}), "not a version"),
+    (lambda d: d["tested_versions"].append({"mlx_lm": "0.32.2", "mlx": "0.32.4", "python": "3.12",
+                                            "packages": ["mlx-vlm"]}), "must map"),
+    (lambda d: d["patches"][0].update(package="mlx vlm"), "not a distribution name"),
+    (lambda d: d["patches"][0].update(package="mlx-vlm"), "must lie in mlx-vlm's modules"),
 ])
 def test_malformed_matrix_is_rejected_clearly(the_matrix, mutate, message):
     import copy

@@ -2,8 +2,9 @@
 
 Each session: a fresh uv venv on that row's Python (found under pyenv or on PATH; never
 downloaded), the package installed *non-editable* from a wheel built once (so the real ``.pth``
-is exercised), ``mlx-lm==X`` with its release-time ``mlx[cpu]==Y``, then pytest with
-``MLX_LM_PATCHES_STRICT=1``. Sessions run in parallel (``--jobs``); logs go to ``.matrix/``.
+is exercised), ``mlx-lm==X`` with its release-time ``mlx[cpu]==Y`` plus the row's ``packages``
+(e.g. ``mlx-vlm==0.4.0``), then pytest with ``MLX_LM_PATCHES_STRICT=1``. Sessions run in
+parallel (``--jobs``); logs go to ``.matrix/``.
 The last line is the plain total, ``matrix: N passed, N failed``.
 
     python tools/run_matrix.py                  # every row
@@ -84,7 +85,8 @@ def session(row, wheel: Path, reuse: bool, pytest_args) -> dict:
             rc = step(["uv", "venv", "-q", "-p", python, str(venv)])
         if rc == 0:
             rc = step(["uv", "pip", "install", "-q", "--compile-bytecode", "--python", str(venv / "bin" / "python"), "--reinstall-package", "mlx-lm-patches",
-                       f"{wheel}[cpu,test]", f"mlx-lm=={row['mlx_lm']}", f"mlx=={row['mlx']}", f"mlx-cpu=={row['mlx']}"])
+                       f"{wheel}[cpu,test]", f"mlx-lm=={row['mlx_lm']}", f"mlx=={row['mlx']}", f"mlx-cpu=={row['mlx']}",
+                       *(f"{name}=={version}" for name, version in row["packages"])])
         if rc == 0:
             # mlx's CPU backend caches compiled kernels under $TMPDIR/mlx/<version>; sessions
             # sharing an mlx version corrupt each other's cache when run in parallel.
@@ -113,8 +115,11 @@ def main() -> int:
     data = yaml.safe_load((REPO / "compat_matrix.yaml").read_text())
     rows = []
     for row in data["tested_versions"]:
-        row = {k: str(v) for k, v in row.items()}
-        row["name"] = f"mlx-lm-{row['mlx_lm']}_mlx-{row['mlx']}_py{row['python']}"
+        packages = sorted((str(k), str(v)) for k, v in (row.get("packages") or {}).items())
+        row = {k: str(v) for k, v in row.items() if k != "packages"}
+        row["packages"] = packages  # further distributions this row installs: [(name, version)]
+        row["name"] = (f"mlx-lm-{row['mlx_lm']}_mlx-{row['mlx']}_py{row['python']}"
+                       + "".join(f"_{name}-{version}" for name, version in packages))
         if not args.select or args.select in row["name"]:
             rows.append(row)
     if not rows:
