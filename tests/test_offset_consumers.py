@@ -3,7 +3,9 @@
 a cache offset as a Python int breaks in batched decoding. This test scans the *installed*
 mlx-lm's ``mlx_lm/models/*.py`` with ``ast`` for such uses, fails on any it does not know (naming
 file:line), and runs every known consumer that batched generation can reach through mlx-lm's own
-``BatchGenerator`` on a tiny random-weight model, against single-sequence greedy decoding.
+``BatchGenerator`` on a tiny random-weight model, against single-sequence greedy decoding: with
+the patches (exact), and for patched consumers also with every patch reverted (a strict xfail on
+the releases the patch's matrix entry names).
 
 What fails with an offset ``o = mx.array([3, 5])`` (checked on mlx 0.29.2 and 0.32.4):
 
@@ -42,7 +44,8 @@ import pytest
 
 import mlx_lm_patches
 from mlx_lm_patches.scenarios import batching_situations
-from mlx_lm_patches.testing import tiny_models
+from conftest import xfail_if_affected
+from mlx_lm_patches.testing import tiny_models, tiny_rope_models
 
 mlx_lm_patches.apply()
 
@@ -179,23 +182,18 @@ FINDINGS = [f for path in sorted(_models_dir().glob("*.py")) if path.name != "ca
 # are fine or how they are exercised. Anything else the scan finds fails the test.
 # ---------------------------------------------------------------------------------------------
 
-DYNAMIC = {"type": "dynamic", "factor": 2.0}
-
-
 def _with(model_type, **overrides):
     config = tiny_models.tiny_config(model_type)
     config.update(overrides)
     return model_type, config
 
 
-_SMALL = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-          "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5,
-          "rope_theta": 10000.0, "max_position_embeddings": 64, "tie_word_embeddings": False}
-PHI3_LONGROPE = ("phi3", dict(_SMALL, model_type="phi3", original_max_position_embeddings=16,
-                              rope_scaling={"type": "longrope", "short_factor": [1.0] * 8,
-                                            "long_factor": [2.0] * 8}))
-INTERNLM2 = ("internlm2", dict(_SMALL, model_type="internlm2", bias=False))
-INTERNLM3 = ("internlm3", dict(_SMALL, model_type="internlm3", head_dim=16, qkv_bias=False, bias=False))
+def _rope_probes(pid):
+    """The tiny models of a length-dependent rotary class, rows crossing its threshold while
+    decoding (prefills stay below it, so the shared situations' cold references apply; crossing
+    it in the prefill is tested in tests/test_rope_rows.py)."""
+    return tiny_rope_models.configs(pid, "decode")
+
 GPT_BIGCODE = ("gpt_bigcode", {"model_type": "gpt_bigcode", "n_embd": 64, "n_layer": 2, "n_inner": 128,
                                "n_head": 4, "n_positions": 256, "layer_norm_epsilon": 1e-5,
                                "vocab_size": 256})
@@ -208,8 +206,9 @@ LLAMA4 = ("llama4", {"model_type": "llama4", "vocab_size": 256, "text_config": {
     "no_rope_layers": [1, 1, 1, 0], "attn_temperature_tuning": True, "floor_scale": 8,
     "attn_scale": 0.1, "rope_scaling": None, "attention_bias": False, "tie_word_embeddings": False}})
 
-# how: "patched <id>" (must batch exactly), "unpatched" (a crash at one of the file's findings is
-# an expected failure; anything else, or an inexact result, fails), "not batchable" (batching the
+# how: "patched <id>" (must batch exactly; with every patch reverted, a strict xfail where the
+# matrix says <id> affects the release), "unpatched" (a crash at one of the file's findings is an
+# expected failure; anything else, or an inexact result, fails), "not batchable" (batching the
 # model must fail before a finding is reached), "ints only" (never receives an array).
 KNOWN = {
     ("gpt_bigcode.py", "GPTBigCodeModel.__call__"): dict(
@@ -220,30 +219,29 @@ KNOWN = {
         probes=[GPT_BIGCODE]),
     ("internlm2.py", "DynamicNTKScalingRoPE.__call__"): dict(
         uses={("truth value", "seq_len")},
-        how="unpatched",
+        how="patched internlm2-batch-rope",
         why="`if x.shape[1] + offset > max_position_embeddings`; internlm2 always uses this rope "
             "up to 0.31.3 (0.32.0 moved it to rope_utils.initialize_rope)",
-        probes=[INTERNLM2]),
+        probes=_rope_probes("internlm2-batch-rope")),
     ("internlm3.py", "DynamicNTKScalingRoPE.__call__"): dict(
         uses={("truth value", "seq_len")},
-        how="unpatched",
+        how="patched internlm3-batch-rope",
         why="same as internlm2; from 0.32.0 the class is still defined but unused "
-            "(the model calls initialize_rope), so the probe is exact there",
-        probes=[INTERNLM3]),
+            "(the model calls initialize_rope), so the probe is exact there, stock too",
+        probes=_rope_probes("internlm3-batch-rope")),
     ("rope_utils.py", "SuScaledRoPE.__call__"): dict(
         uses={("truth value", "seq_len")},
-        how="unpatched",
-        why="`if offset + L > original_max_position_embeddings` (longrope: phi3 and others); "
-            "only in 0.29.1-0.30.0",
-        probes=[PHI3_LONGROPE]),
+        how="patched su-scaled-rope-batch",
+        why="`if offset + L > original_max_position_embeddings` (longrope: phi3, phimoe, minicpm3); "
+            "only in 0.29.0-0.30.0",
+        probes=_rope_probes("su-scaled-rope-batch")),
     ("rope_utils.py", "DynamicNTKScalingRoPE.__call__"): dict(
         uses={("max()", "offset")},
-        how="unpatched",
+        how="patched dynamic-ntk-rope-batch",
         why="`max(L + offset, max_position_embeddings)`: every model whose initialize_rope gets "
             "rope_scaling type 'dynamic' (llama, and hybrids qwen3_next, falcon_h1, bailing_*, ...), "
             "0.32.0+",
-        probes=[_with("llama", rope_scaling=DYNAMIC), _with("qwen3_next", rope_scaling=DYNAMIC),
-                _with("falcon_h1", rope_scaling=DYNAMIC)]),
+        probes=_rope_probes("dynamic-ntk-rope-batch")),
     ("llama4.py", "Attention.__call__"): dict(
         uses={("mx.arange()", "offset")},
         how="not batchable",
@@ -398,16 +396,31 @@ PROBES = [pytest.param(key, i, id=f"{key[0]}:{key[1]}:{probe[0]}")
           for key, entry in KNOWN.items() for i, probe in enumerate(entry["probes"])]
 
 
-@pytest.mark.parametrize("key,index", PROBES)
-def test_known_consumer_in_batched_generation(key, index):
-    entry = KNOWN[key]
+def _patch_id(entry):
+    return entry["how"].split(" ", 1)[1] if entry["how"].startswith("patched ") else None
+
+
+STOCK_PROBES = [pytest.param(key, i, id=f"{key[0]}:{key[1]}:{probe[0]}",
+                             marks=xfail_if_affected(_patch_id(entry), reason=f"stock mlx-lm crashes at {key[0]} "
+                                                     f"{key[1]}: {_patch_id(entry)} affects this release"))
+                for key, entry in KNOWN.items() if _patch_id(entry)
+                for i, probe in enumerate(entry["probes"])]
+
+
+def _probe_model(entry, index):
     model_type, config = entry["probes"][index]
     if importlib.util.find_spec(f"mlx_lm.models.{model_type}") is None:
         pytest.skip(f"no mlx_lm.models.{model_type} in this mlx-lm")
     try:
-        model = _build(model_type, config)
+        return model_type, _build(model_type, config)
     except Exception as exc:  # e.g. rope type 'dynamic' unknown before 0.32.0
         pytest.skip(f"{model_type} with this config does not build here: {type(exc).__name__}: {exc}")
+
+
+@pytest.mark.parametrize("key,index", PROBES)
+def test_known_consumer_in_batched_generation(key, index):
+    entry = KNOWN[key]
+    model_type, model = _probe_model(entry, index)
     here = {(f[0], f[1]) for f in FINDINGS if (f[0], f[2]) == key}
     if entry["how"] == "not batchable":
         with pytest.raises(Exception) as caught:
@@ -435,3 +448,23 @@ def test_int_offset_files_that_tiny_models_build_batch_exactly():
         pytest.skip("no model type with an int-offset finding in its own module is in tiny_models")
     problems = [batching_situations(tiny_models.build_tiny_model(t, seed=1), t) for t in types]
     assert not any(problems), [p for p in problems if p]
+
+
+@pytest.fixture
+def stock_mlx_lm():
+    """Every patch reverted for the test (as ``python -m mlx_lm_patches check`` does for its
+    stock run), then applied again."""
+    mlx_lm_patches.revert()
+    try:
+        yield
+    finally:
+        mlx_lm_patches.apply()
+
+
+@pytest.mark.parametrize("key,index", STOCK_PROBES)
+def test_patched_consumer_fails_on_stock_where_affected(key, index, stock_mlx_lm):
+    """The probes of patched consumers with every patch reverted: a strict xfail where the
+    matrix says the release is affected (the crash, or an inexact row), exact elsewhere."""
+    model_type, model = _probe_model(KNOWN[key], index)
+    problem = _run_situations(model, model_type)
+    assert problem is None, problem

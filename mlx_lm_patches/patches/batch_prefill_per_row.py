@@ -9,9 +9,17 @@ Bug
     longcat_flash_ngram decode to silently wrong tokens as soon as prompts of different lengths
     (or continuations of prompt caches of different lengths) share a batch.
 
+    Models whose rotary frequencies depend on the sequence length (dynamic-NTK scaling, the
+    two-factor longrope of 0.29.x-0.30.0; ``mlx_lm_patches/rope_rows.py``) cannot be prefilled
+    padded either: a padded row is rotated with the frequencies of the padded length (or, left
+    padded on <= 0.31.1, of a shifted one for internlm2/3), not of its own.
+
 Fix
     Prefill hybrid rows alone, through the model's own forward with a batch of one and no
     padding (the reference path), then batch them for decoding with mlx-lm's own machinery.
+    Rows of different lengths of a model with such a rotary embedding are prefilled alone too
+    (their decoding is made batchable by ``internlm2-batch-rope``, ``internlm3-batch-rope``,
+    ``su-scaled-rope-batch`` and ``dynamic-ntk-rope-batch``).
     Decoding stays batched: one token per row needs no padding and no mask. Batches of
     equal-length rows and attention-only models take the stock path unchanged. Cost: prompts of
     different lengths are no longer prefilled in one forward pass.
@@ -45,6 +53,7 @@ Metal
 import logging
 import sys
 
+from .. import rope_rows
 from ..scenarios import Outcome
 
 log = logging.getLogger("mlx_lm_patches")
@@ -122,7 +131,7 @@ def _prompt(wrapped, instance, args, kwargs):
         or len(tokens) < 2
         or len({len(t) for t in tokens}) < 2
         or len(tokens) != len(instance.uids)
-        or not _has_recurrent(instance.prompt_cache)
+        or not (_has_recurrent(instance.prompt_cache) or rope_rows.has_length_dependent_rope(instance.model))
         or not prefill_rows_alone(instance, tokens)
     ):
         return wrapped(*args, **kwargs)
@@ -131,10 +140,14 @@ def _prompt(wrapped, instance, args, kwargs):
 def _process_prompts(wrapped, instance, args, kwargs):
     prompts = list(args[0] if args else kwargs["prompts"])
     batched_recurrent_prefill_works = hasattr(sys.modules[CACHE].ArraysCache, "merge")
+    lengths_differ = len({len(p[1]) for p in prompts}) > 1
+    recurrent = _has_recurrent(prompts[0][3])
     if (
         len(prompts) < 2
-        or (batched_recurrent_prefill_works and len({len(p[1]) for p in prompts}) < 2)
-        or not _has_recurrent(prompts[0][3])
+        or not (
+            (recurrent and (lengths_differ or not batched_recurrent_prefill_works))
+            or (lengths_differ and rope_rows.has_length_dependent_rope(instance.model))
+        )
     ):
         return wrapped(*args, **kwargs)
     try:

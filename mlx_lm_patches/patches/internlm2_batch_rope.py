@@ -1,0 +1,93 @@
+"""internlm2 decodes in batches: its dynamic-NTK rotary base is chosen per row.
+
+Bug
+    ``internlm2.DynamicNTKScalingRoPE.__call__`` picks its rotary base in Python:
+    ``seq_len = x.shape[1] + offset; if seq_len > max_position_embeddings: base = ...``. In
+    batched generation ``offset`` is the ``BatchKVCache``'s per-row ``mx.array``, so every batched
+    decode (``BatchGenerator``, ``batch_generate``, the server's batched path) crashes with
+    ``ValueError: [convert] Only length-1 arrays can be converted to Python scalars``; internlm2
+    uses this class for every config. (``x.shape[1]`` is the number of heads of the
+    ``(B, heads, L, D)`` input, not ``L``: that is the stock single-sequence behaviour, and it is
+    kept.)
+
+Fix
+    With per-row offsets, each row gets the base the stock method computes for that row's int
+    offset (rows grouped by base, ``mx.fast.rope`` with the group's per-row offsets; see
+    ``mlx_lm_patches/rope_rows.py``); an int offset runs the stock method. The base also depends
+    on how a prompt is cut into forward passes, so rows of different lengths are prefilled alone
+    (``batch-prefill-per-row`` recognises this rotary class); decoding stays batched.
+
+Affected
+    mlx-lm 0.28.4 - 0.31.3. 0.32.0 builds internlm2's rotary embedding with ``initialize_rope``
+    (dynamic scaling then goes through ``rope_utils.DynamicNTKScalingRoPE``:
+    ``dynamic-ntk-rope-batch``).
+
+Upstream
+    https://github.com/ml-explore/mlx-lm/blob/v0.31.3/mlx_lm/models/internlm2.py
+    (``DynamicNTKScalingRoPE``); replaced in https://github.com/ml-explore/mlx-lm/pull/1606.
+
+Retire
+    When 0.31.3 drops out of the supported range.
+
+Metal
+    Same ``mx.fast.rope`` kernel as the stock method, called once per group of rows.
+"""
+
+import sys
+
+from .. import rope_rows
+
+MODULE = "mlx_lm.models.internlm2"
+PID = "internlm2-batch-rope"
+
+
+def per_row_dynamic_ntk(wrapped, instance, args, kwargs):
+    """Wrapper of internlm2/internlm3 ``DynamicNTKScalingRoPE.__call__`` (same class in both)."""
+    import mlx.core as mx
+
+    x = args[0] if args else kwargs["x"]
+    offset = args[1] if len(args) > 1 else kwargs.get("offset", 0)
+    if not rope_rows.is_row_offsets(offset):
+        return wrapped(*args, **kwargs)
+    heads = x.shape[1]
+    limit = instance.max_position_embeddings
+    scale, dims = instance.scale, instance.dims
+
+    def base(row_offset):
+        seq_len = heads + row_offset
+        if seq_len > limit:
+            return instance.original_base * ((scale * seq_len / limit) - (scale - 1)) ** (dims / (dims - 2))
+        return instance.original_base
+
+    def rotate(rows, offsets, row_base):
+        return mx.fast.rope(rows, dims, traditional=instance.traditional, base=row_base,
+                            scale=scale, offset=offsets)
+
+    return rope_rows.rotate_rows(x, offset, base, rotate)
+
+
+def probe_class(cls):
+    """Evidence that ``cls(...)(x, offset=per-row offsets)`` fails, or None."""
+    import mlx.core as mx
+
+    rope = cls(16, max_position_embeddings=4, base=10000.0, scale=2.0)
+    try:
+        mx.eval(rope(mx.zeros((2, 4, 1, 16)), offset=mx.array([1, 5])))
+    except (ValueError, TypeError) as exc:
+        return f"{cls.__module__}.{cls.__qualname__} with per-row offsets raises {type(exc).__name__}: {exc}"
+    return None
+
+
+def probe():
+    return probe_class(sys.modules[MODULE].DynamicNTKScalingRoPE)
+
+
+def apply(p):
+    p.wrap(f"{MODULE}:DynamicNTKScalingRoPE.__call__", per_row_dynamic_ntk)
+
+
+def scenario():
+    """internlm2, three prompts batched with rows on both sides of the NTK threshold."""
+    from ..testing.tiny_rope_models import scenario_outcome
+
+    return scenario_outcome(PID, "internlm2 dynamic-NTK RoPE")

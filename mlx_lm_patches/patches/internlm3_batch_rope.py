@@ -1,0 +1,50 @@
+"""internlm3 decodes in batches: its dynamic-NTK rotary base is chosen per row.
+
+Bug
+    ``internlm3.DynamicNTKScalingRoPE.__call__`` is internlm2's class (``internlm2-batch-rope``):
+    ``if x.shape[1] + offset > max_position_embeddings`` with the ``BatchKVCache``'s per-row
+    ``mx.array`` offset crashes every batched decode of internlm3 with ``ValueError: [convert]
+    Only length-1 arrays can be converted to Python scalars``.
+
+Fix
+    As for internlm2: each row gets the base the stock method computes for that row alone, rows
+    of different lengths are prefilled alone (``batch-prefill-per-row``); an int offset runs the
+    stock method.
+
+Affected
+    mlx-lm 0.28.4 - 0.31.3. From 0.32.0 internlm3 builds its rotary embedding with
+    ``initialize_rope`` (the class is still defined but unused; dynamic scaling then goes through
+    ``rope_utils.DynamicNTKScalingRoPE``: ``dynamic-ntk-rope-batch``).
+
+Upstream
+    https://github.com/ml-explore/mlx-lm/blob/v0.31.3/mlx_lm/models/internlm3.py
+    (``DynamicNTKScalingRoPE``); replaced in https://github.com/ml-explore/mlx-lm/pull/1606.
+
+Retire
+    When 0.31.3 drops out of the supported range.
+
+Metal
+    Same ``mx.fast.rope`` kernel as the stock method, called once per group of rows.
+"""
+
+import sys
+
+from .internlm2_batch_rope import per_row_dynamic_ntk, probe_class
+
+MODULE = "mlx_lm.models.internlm3"
+PID = "internlm3-batch-rope"
+
+
+def probe():
+    return probe_class(sys.modules[MODULE].DynamicNTKScalingRoPE)
+
+
+def apply(p):
+    p.wrap(f"{MODULE}:DynamicNTKScalingRoPE.__call__", per_row_dynamic_ntk)
+
+
+def scenario():
+    """internlm3, three prompts batched with rows on both sides of the NTK threshold."""
+    from ..testing.tiny_rope_models import scenario_outcome
+
+    return scenario_outcome(PID, "internlm3 dynamic-NTK RoPE")
