@@ -1,0 +1,81 @@
+"""mlx-vlm's Qwen3-VL language model decodes in batches: per-row positions, padding masked.
+
+Bug
+    mlx-vlm (<= 0.4.x) batches Qwen3-VL with mlx-lm's ``BatchKVCache``, whose ``offset`` is a
+    per-row ``mx.array``. ``LanguageModel.__call__`` reduces it to ``offset[0].item()``: every
+    row gets row 0's rotary positions. And ``Qwen3VLModel.__call__`` builds its mask with
+    ``create_attention_mask(h, cache)`` from the cache *list*, which has no ``make_mask``, so the
+    left padding is never masked. Batched text generation with prompts of different lengths
+    (mlx-vlm's ``BatchGenerator``, mlx-lm's ``BatchGenerator`` driving the language model) is
+    silently wrong on every row. Once the padding is masked, the attention's
+    ``mask[..., :L + cache.offset + 1]`` raises "Slice indices must be integers or None" (<= 0.4.0),
+    as in Qwen3.5.
+
+Fix
+    With per-row offsets: ``LanguageModel.__call__`` passes ``position_ids`` ``offset[row] + t``
+    (text only; image/video positions at different row offsets are refused),
+    ``Qwen3VLModel.__call__`` gets the mask of the first layer's batch cache (its left padding),
+    and the attention runs the stock code with a read-only view of the cache whose ``offset`` is
+    the int padded length. Single-sequence calls run the stock code. See
+    ``mlx_lm_patches/vlm_positions.py``.
+
+Affected
+    mlx-vlm <= 0.4.4; measured on 0.4.0 and 0.4.4 (beside mlx-lm 0.32.2). (qwen3_vl_moe is a
+    separate copy of this code and is not patched.)
+    0.5.0 rewrote the code this patch wraps, so the range stops there; there its Qwen3-VL text
+    batches were exact through mlx-lm's ``BatchGenerator`` (the tiny-model driver of mlx-vlm's
+    own ``BatchGenerator`` does not fit 0.5.0's API, so that path was not run).
+
+Upstream
+    https://github.com/Blaizzy/mlx-vlm/blob/v0.4.0/mlx_vlm/models/qwen3_vl/language.py
+    (``LanguageModel.__call__``, ``Qwen3VLModel.__call__``, ``Attention.__call__``);
+    https://github.com/Blaizzy/mlx-vlm/blob/v0.5.0/mlx_vlm/models/qwen3_vl/language.py.
+
+Retire
+    When mlx-vlm < 0.5.0 is no longer supported.
+
+Metal
+    Same modules and kernels as the stock forward; only the position ids, the mask and the int
+    the mask slice reads differ.
+"""
+
+import sys
+
+from .. import rope_rows, vlm_positions
+
+MODULE = "mlx_vlm.models.qwen3_vl.language"
+
+
+def _mask_from_batch_cache(wrapped, instance, args, kwargs):
+    names = ("inputs", "inputs_embeds", "mask", "cache")
+    call = dict(zip(names, args))
+    call.update(kwargs)
+    cache = call.get("cache")
+    first = cache[0] if cache else None
+    if call.get("mask") is not None or not rope_rows.is_row_offsets(getattr(first, "offset", None)):
+        return wrapped(*args, **kwargs)
+    hidden = call["inputs_embeds"] if call.get("inputs_embeds") is not None else call["inputs"]
+    call["mask"] = sys.modules[MODULE].create_attention_mask(hidden, first)
+    return wrapped(**call)
+
+
+def apply(p):
+    p.wrap(f"{MODULE}:LanguageModel.__call__", vlm_positions.language_model_call(lambda language_model: 0))
+    p.wrap(f"{MODULE}:Qwen3VLModel.__call__", _mask_from_batch_cache)
+    p.wrap(f"{MODULE}:Attention.__call__", vlm_positions.attention_call)
+
+
+def probe():
+    """Evidence that a one-layer Qwen3-VL language model gives a left-padded row of a
+    ``BatchKVCache`` batch something else than the row alone (or raises)."""
+    from ..testing.tiny_vlm_models import batched_rows_problem
+
+    return batched_rows_problem(sys.modules[MODULE], "qwen3_vl")
+
+
+def scenario():
+    """A tiny random-weight mlx-vlm Qwen3-VL: prompts of 5, 9 and 13 tokens through mlx-vlm's
+    ``BatchGenerator`` and mlx-lm's equal each prompt alone through mlx-vlm's ``generate_step``."""
+    from ..testing.tiny_vlm_models import scenario_outcome
+
+    return scenario_outcome("qwen3_vl")

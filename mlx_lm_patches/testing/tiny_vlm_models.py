@@ -1,0 +1,275 @@
+"""Tiny random-weight mlx-vlm Qwen3.5 / Qwen3-VL models, and their batched-text checks.
+
+Built in memory from a config dict through mlx-vlm's own classes (``get_model_and_args``,
+``ModelConfig.from_dict``, ``update_module_configs``, ``Model``) - no download, no weights file -
+with every floating-point parameter replaced by a deterministic pseudo-random value
+(:func:`mlx_lm_patches.testing.tiny_models._randomize_parameters`). Text model: hidden size 64,
+vocabulary 256; Qwen3.5 (and Qwen3.5-MoE, 4 experts) has 4 layers (gated-delta, attention,
+gated-delta, attention), Qwen3-VL 2 attention layers. The vision tower is one small block;
+text-only generation never runs it.
+
+The checks compare batched text generation with the model's single-sequence path, mlx-vlm's
+``generate_step`` of each prompt alone: the same greedy tokens and log-probabilities within
+:data:`mlx_lm_patches.scenarios.LOGPROB_TOLERANCE`. Two batched paths:
+
+* :func:`vlm_batched` - mlx-vlm's own ``BatchGenerator`` fed as ``batch_generate`` feeds it
+  (left-padded token rows and their embeddings from ``get_input_embeddings``), except that the
+  rows keep their own lengths (``batch_generate`` has the processor pad them to one length and
+  drops its attention mask, so they arrive as equal-length rows);
+* :func:`mlx_lm_batched` - mlx-lm's ``BatchGenerator`` driving the language model through
+  :class:`LanguageModelAdapter` (logits instead of mlx-vlm's ``LanguageModelOutput``).
+
+Importing this module does not import mlx-vlm; :func:`available` says whether it is installed.
+"""
+
+import importlib.util
+from typing import Any, Dict, List, Optional
+
+MODEL_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_vl")
+PROMPT_LENGTHS = (5, 9, 13)
+MAX_TOKENS = 6
+
+_VISION = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+           "out_hidden_size": 64, "patch_size": 4, "spatial_patch_size": 4,
+           "num_position_embeddings": 16, "deepstack_visual_indexes": []}
+
+
+def available(model_type: str = "qwen3_5") -> bool:
+    """mlx-vlm is installed and has ``model_type``."""
+    try:
+        return importlib.util.find_spec(f"mlx_vlm.models.{model_type}") is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def text_config(model_type: str) -> Dict[str, Any]:
+    common = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+              "rms_norm_eps": 1e-6, "max_position_embeddings": 4096, "tie_word_embeddings": False}
+    if model_type == "qwen3_5_moe":
+        return dict(text_config("qwen3_5"), model_type="qwen3_5_moe_text", num_experts=4,
+                    num_experts_per_tok=2, shared_expert_intermediate_size=64, moe_intermediate_size=32)
+    if model_type == "qwen3_5":
+        return dict(common, model_type="qwen3_5_text", num_hidden_layers=4, full_attention_interval=2,
+                    linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+                    linear_value_head_dim=16, linear_conv_kernel_dim=4, attention_bias=False,
+                    rope_parameters={"type": "default", "mrope_section": [1, 1, 0],
+                                     "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
+    if model_type == "qwen3_vl":
+        return dict(common, model_type="qwen3_vl_text", num_hidden_layers=2,
+                    rope_theta=10000.0, rope_scaling={"type": "default", "mrope_section": [4, 2, 2]})
+    raise KeyError(model_type)
+
+
+def config(model_type: str) -> Dict[str, Any]:
+    return {"model_type": model_type, "vocab_size": 256, "text_config": text_config(model_type),
+            "vision_config": dict(_VISION, model_type=model_type)}
+
+
+def build(model_type: str, seed: int = 1):
+    """A tiny random-weight mlx-vlm model (``Model``: vision tower + ``language_model``)."""
+    import mlx.core as mx
+    from mlx_vlm.utils import get_model_and_args, update_module_configs
+
+    from .tiny_models import _randomize_parameters
+
+    cfg = config(model_type)
+    arch, _ = get_model_and_args(cfg)
+    model_config = update_module_configs(arch.ModelConfig.from_dict(cfg), arch, cfg, ["text", "vision"])
+    mx.random.seed(seed)
+    model = arch.Model(model_config)
+    _randomize_parameters(model, model_type, seed, mx.float32)
+    mx.eval(model.parameters())
+    model.eval()
+    return model
+
+
+def prompts() -> List[List[int]]:
+    from ..scenarios import prompt_tokens
+
+    return [prompt_tokens(n, seed=n) for n in PROMPT_LENGTHS]
+
+
+def single(model, prompt, max_tokens: int = MAX_TOKENS):
+    """The reference: mlx-vlm's ``generate_step`` of ``prompt`` alone (text only)."""
+    import mlx.core as mx
+    from mlx_vlm.generate import generate_step
+
+    from ..scenarios import Decoded
+
+    tokens, logprobs = [], []
+    steps = generate_step(mx.array([prompt]), model, None, None, max_tokens=max_tokens)
+    for token, logprob in steps:
+        tokens.append(int(token))
+        logprobs.append(logprob)
+    mx.eval(logprobs)
+    return Decoded(tokens, logprobs)
+
+
+def vlm_batched(model, rows, max_tokens: int = MAX_TOKENS):
+    """``rows`` decoded together by mlx-vlm's ``BatchGenerator``, as ``_generate_batch`` drives
+    it; one :class:`Decoded` per row, in order."""
+    import types
+
+    import mlx.core as mx
+    from mlx_vlm.generate import BatchGenerator
+    from mlx_vlm.utils import StoppingCriteria
+
+    from ..scenarios import Decoded
+
+    order = sorted(range(len(rows)), key=lambda i: len(rows[i]))  # the generator's own order
+    width = max(len(r) for r in rows)
+    padded = mx.array([[0] * (width - len(rows[i])) + list(rows[i]) for i in order])
+    processor = types.SimpleNamespace(stopping_criteria=StoppingCriteria([], None))  # no stop tokens
+    gen = BatchGenerator(model.language_model, processor, max_tokens=max_tokens,
+                         prefill_batch_size=len(rows), completion_batch_size=len(rows))
+    embedded = model.get_input_embeddings(padded, None)
+    uids = gen.insert([list(rows[i]) for i in order], max_tokens)
+    results = {uid: Decoded([], []) for uid in uids}
+    while True:
+        responses = gen.next(**embedded.to_dict())
+        if not responses:
+            break
+        for r in responses:
+            results[r.uid].tokens.append(int(r.token))
+            results[r.uid].logprobs.append(r.logprobs)
+    decoded: List[Any] = [None] * len(rows)
+    for uid, i in zip(uids, order):
+        mx.eval(results[uid].logprobs)
+        decoded[i] = results[uid]
+    return decoded
+
+
+class LanguageModelAdapter:
+    """mlx-vlm's language model in mlx-lm's model interface: called with token ids and a cache
+    it returns the logits (mlx-vlm returns a ``LanguageModelOutput``); its cache is the one
+    mlx-vlm makes for it. A call on an empty single-sequence cache starts a new text sequence:
+    the language model's stored rotary state is cleared first, as mlx-vlm's
+    ``get_input_embeddings`` does before each generation (mlx-lm's batched prefill runs the rows
+    of a batch one after another through the same model)."""
+
+    def __init__(self, language_model):
+        self.language_model = language_model
+
+    @property
+    def layers(self):
+        return self.language_model.layers
+
+    def make_cache(self):
+        from mlx_vlm.models.cache import make_prompt_cache
+
+        return make_prompt_cache(self.language_model)
+
+    def __call__(self, inputs, cache=None, **kwargs):
+        offsets = [getattr(c, "offset", None) for c in cache or () if not hasattr(c, "cache")]
+        if any(isinstance(o, int) and o == 0 for o in offsets):
+            self.language_model._position_ids = self.language_model._rope_deltas = None
+        return self.language_model(inputs, cache=cache, **kwargs).logits
+
+
+def mlx_lm_batched(model, rows, max_tokens: int = MAX_TOKENS):
+    """``rows`` decoded together by mlx-lm's ``BatchGenerator`` driving the language model."""
+    from ..scenarios import batched_greedy
+
+    model.language_model._position_ids = model.language_model._rope_deltas = None  # text only
+    return batched_greedy(LanguageModelAdapter(model.language_model), rows, max_tokens=max_tokens)
+
+
+def batched_problem(model, model_type, run=vlm_batched) -> Optional[str]:
+    """``None`` if every row of :func:`prompts` batched by ``run`` equals the row alone."""
+    rows = prompts()
+    reference = [single(model, r) for r in rows]
+    got = run(model, rows)
+    for i, (ref, decoded) in enumerate(zip(reference, got)):
+        problem = ref.compare(decoded)
+        if problem:
+            return f"mlx-vlm {model_type}, prompt {i} ({len(rows[i])} tokens): {problem}"
+    return None
+
+
+def scenario_outcome(model_type: str):
+    from ..scenarios import Outcome
+
+    if not available(model_type):
+        return Outcome.not_applicable(f"mlx-vlm with {model_type} is not installed")
+    model = build(model_type)
+    details = []
+    for name, run in (("mlx-vlm BatchGenerator", vlm_batched), ("mlx-lm BatchGenerator", mlx_lm_batched)):
+        try:
+            problem = batched_problem(model, model_type, run)
+        except Exception as exc:
+            return Outcome.failure(f"mlx-vlm {model_type} through the {name}", exc)
+        if problem:
+            return Outcome.failure(f"{problem} (through the {name})")
+        details.append(f"{name}: prompts of {'/'.join(map(str, PROMPT_LENGTHS))} tokens exact")
+    return Outcome(True, f"mlx-vlm {model_type}: batched text generation equals each prompt alone",
+                   details)
+
+
+# ---------------------------------------------------------------------------------------------
+# Probes: two layers, two rows at different offsets, one decode step
+# ---------------------------------------------------------------------------------------------
+
+
+def batched_rows_problem(language_module, model_type: str) -> Optional[str]:
+    """Evidence that ``language_module.LanguageModel`` (two layers, random init) decodes two rows
+    of a batch cache at different offsets (one left-padded) differently from each row alone - or
+    raises - or None. Recurrent caches are finalized after the prefill, as mlx-lm's
+    ``BatchGenerator`` does, so only the attention path is probed."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
+
+    package = language_module.__name__.rsplit(".", 1)[0]
+    configs = importlib.import_module(f"{package}.config")
+    model_config = configs.ModelConfig.from_dict(config(model_type))
+    model_config.text_config = configs.TextConfig.from_dict(dict(text_config(model_type), num_hidden_layers=2))
+    model_config.vision_config = configs.VisionConfig.from_dict(dict(_VISION, model_type=model_type))
+    mx.random.seed(0)
+    lm = language_module.LanguageModel(model_config.text_config, model_config)
+    mx.eval(lm.parameters())
+    def make_cache():
+        return lm.make_cache() if hasattr(lm, "make_cache") else [KVCache() for _ in lm.layers]
+
+    rows, last = [[5, 6], [1, 2, 3]], [7, 4]
+    want = []
+    for row, token in zip(rows, last):
+        lm._position_ids = lm._rope_deltas = None  # a new (text) generation
+        alone = make_cache()
+        lm(mx.array([row]), cache=alone)
+        want.append(lm(mx.array([[token]]), cache=alone).logits)
+    batch = [ArraysCache(len(c.cache), left_padding=[1, 0]) if isinstance(c, ArraysCache)
+             else BatchKVCache([1, 0]) for c in make_cache()]
+    lm._position_ids = lm._rope_deltas = None
+    try:
+        lm(mx.array([[0] + rows[0], rows[1]]), cache=batch)
+        for c in batch:
+            if isinstance(c, ArraysCache):
+                c.finalize()
+        got = lm(mx.array([[t] for t in last]), cache=batch).logits
+    except (ValueError, TypeError) as exc:
+        return f"{model_type} language model with a BatchKVCache raises {type(exc).__name__}: {exc}"
+    worst = mx.abs(got - mx.concatenate(want)).max().item()
+    if worst > 1e-4:
+        return (f"{model_type} language model: rows of a batch at different offsets differ from "
+                f"the rows alone by {worst:.3g} (row 0's positions, or padding not masked)")
+    return None
+
+
+def gated_delta_advance_problem(language_module) -> Optional[str]:
+    """Evidence that ``Qwen3_5GatedDeltaNet.__call__`` leaves a left-padded ``ArraysCache``'s
+    padding where it was (so the next step's mask hides the row's new token), or None."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import ArraysCache
+
+    package = language_module.__name__.rsplit(".", 1)[0]
+    config_module = importlib.import_module(f"{package}.config")
+    layer = language_module.Qwen3_5GatedDeltaNet(config_module.TextConfig.from_dict(text_config("qwen3_5")))
+    cache = ArraysCache(2, left_padding=[1, 0])
+    before = cache.left_padding.tolist()
+    inputs = mx.zeros((2, 2, 64))
+    mx.eval(layer(inputs, mask=cache.make_mask(2), cache=cache))
+    after = cache.left_padding.tolist() if cache.left_padding is not None else None
+    if after == before:
+        return (f"Qwen3_5GatedDeltaNet does not advance its ArraysCache (left padding stays "
+                f"{before} after 2 tokens): the next step's mask hides the padded rows' tokens")
+    return None

@@ -1,0 +1,119 @@
+"""Per-row positions for mlx-vlm's Qwen3.5 / Qwen3-VL language models in batched generation.
+
+mlx-vlm (<= 0.4.x) batches these models with mlx-lm's ``BatchKVCache``, whose ``offset`` is a
+per-row ``mx.array`` (negative by the row's left padding during the prefill). Their code wants
+an int:
+
+* ``LanguageModel.__call__`` reduces it to ``offset[0].item()`` and builds every row's rotary
+  positions from row 0's offset;
+* the attention computes ``kv_seq_len = L + cache.offset + 1`` and slices
+  ``mask[..., :kv_seq_len]`` (mlx-vlm <= 0.4.0), which raises "Slice indices must be integers or
+  None" as soon as the mask is an array (always, with a batch cache);
+* without ``position_ids`` the attention calls ``mx.arange(cache.offset, cache.offset + L)``.
+
+The wrappers here give each row the positions it has alone - ``offset[row] + t``, so a
+left-padded row's tokens sit at 0 ... len - 1 and its decode steps follow its own length - and
+let the attention see an int offset (the batch cache's padded length, for which the mask slice
+keeps the whole mask) through a read-only view. No cache offset is ever assigned.
+
+Text only: when image or video positions are in play (``pixel_values``, or non-zero
+``_rope_deltas``), rows at one offset keep mlx-vlm's own computation (row 0's offset is every
+row's), and rows at different offsets are refused with an error rather than decoded at wrong
+positions.
+"""
+
+from . import rope_rows
+
+
+class BatchedVisionPositions(NotImplementedError):
+    """Batched rows at different positions with image/video rotary positions."""
+
+
+def _bind(args, kwargs, names):
+    call = dict(zip(names, args))
+    call.update(kwargs)
+    return call
+
+
+def per_row_position_ids(offset, length):
+    """``(3, B, L)`` rotary positions ``offset[row] + t`` (the three M-RoPE axes agree for text)."""
+    import mlx.core as mx
+
+    positions = offset[:, None] + mx.arange(length)[None, :]
+    return mx.broadcast_to(positions[None], (3,) + positions.shape)
+
+
+def _text_only(language_model, pixel_values) -> bool:
+    import mlx.core as mx
+
+    if pixel_values is not None:
+        return False
+    deltas = getattr(language_model, "_rope_deltas", None)
+    return deltas is None or not mx.any(deltas != 0).item()
+
+
+def language_model_call(attention_cache_index):
+    """Wrapper of ``LanguageModel.__call__(inputs, inputs_embeds=None, mask=None, cache=None,
+    **kwargs)``: per-row ``position_ids`` when the attention cache holds per-row offsets.
+    ``attention_cache_index(instance)``: which cache entry holds an attention layer's offset."""
+
+    def wrapper(wrapped, instance, args, kwargs):
+        import mlx.core as mx
+
+        call = _bind(args, kwargs, ("inputs", "inputs_embeds", "mask", "cache"))
+        cache = call.get("cache")
+        if not cache or call.get("position_ids") is not None:
+            return wrapped(*args, **kwargs)
+        attention_cache = cache[attention_cache_index(instance)]
+        offset = getattr(attention_cache, "offset", None)
+        if not rope_rows.is_row_offsets(offset):
+            return wrapped(*args, **kwargs)
+        if not _text_only(instance, call.get("pixel_values")):
+            if len(set(offset.tolist())) > 1:
+                raise BatchedVisionPositions(
+                    "mlx-lm-patches: batched rows at different positions with image or video "
+                    "rotary positions are not supported by this mlx-vlm's Qwen3 language model "
+                    "(it would use row 0's position for every row); batch text-only prompts, or "
+                    "image prompts of one length")
+            return wrapped(*args, **kwargs)
+        length = call["inputs"].shape[1] if call.get("inputs") is not None else call["inputs_embeds"].shape[1]
+        return wrapped(*args, **dict(kwargs, position_ids=per_row_position_ids(offset, length)))
+
+    return wrapper
+
+
+class IntOffsetView:
+    """A batch cache as mlx-vlm's attention expects it: ``offset`` an int (the cache's padded
+    length, so ``mask[..., :L + offset + 1]`` keeps the whole mask), everything else - above all
+    ``update_and_fetch`` - the cache itself. Nothing is written to the cache through the view."""
+
+    __slots__ = ("_cache", "offset")
+
+    def __init__(self, cache, offset: int):
+        object.__setattr__(self, "_cache", cache)
+        object.__setattr__(self, "offset", offset)
+
+    def __getattr__(self, name):
+        return getattr(object.__getattribute__(self, "_cache"), name)
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"read-only view of {type(self._cache).__name__}: cannot set {name}")
+
+
+def attention_call(wrapped, instance, args, kwargs):
+    """Wrapper of the attention ``__call__(x, mask=None, cache=None, position_ids=None)``: with a
+    per-row offset, per-row positions (if none were given) and an int-offset view of the cache."""
+    import mlx.core as mx
+
+    call = _bind(args, kwargs, ("x", "mask", "cache", "position_ids"))
+    cache = call.get("cache")
+    offset = getattr(cache, "offset", None) if cache is not None else None
+    if not rope_rows.is_row_offsets(offset):
+        return wrapped(*args, **kwargs)
+    x, mask, position_ids = call["x"], call.get("mask"), call.get("position_ids")
+    if position_ids is None:
+        position_ids = per_row_position_ids(offset, x.shape[1])
+    padded = getattr(cache, "_idx", None)
+    if not isinstance(padded, int):
+        padded = mask.shape[-1] if isinstance(mask, mx.array) else 0
+    return wrapped(x, mask, IntOffsetView(cache, padded), position_ids)

@@ -1,0 +1,122 @@
+"""mlx-vlm's Qwen3.5 / Qwen3-VL language models in batched text generation (needs mlx-vlm; the
+CI matrix has a row with mlx-vlm 0.4.0, elsewhere this file is skipped).
+
+Tiny random-weight mlx-vlm models built from config dicts
+(``mlx_lm_patches/testing/tiny_vlm_models.py``), prompts of 5, 9 and 13 tokens. Reference: each
+prompt alone through mlx-vlm's ``generate_step``. Batched: mlx-vlm's own ``BatchGenerator`` (fed
+as ``batch_generate`` feeds it, rows keeping their lengths) and mlx-lm's ``BatchGenerator``
+driving the language model. With the patches: same greedy tokens, log-probabilities within 1e-4.
+Stock (every patch reverted, or only the gated-delta advance): a strict xfail where the matrix
+says the installed mlx-vlm is affected.
+"""
+
+import pytest
+
+pytest.importorskip("mlx_vlm")
+
+import mlx_lm_patches  # noqa: E402
+from conftest import run_python, xfail_if_affected  # noqa: E402
+from mlx_lm_patches.testing import tiny_vlm_models as vlm  # noqa: E402
+
+ROWS = {row.id: row for row in mlx_lm_patches.apply()}
+PATHS = {"mlx-vlm": vlm.vlm_batched, "mlx-lm": vlm.mlx_lm_batched}
+POSITIONS = {"qwen3_5": "mlx-vlm-qwen3-5-batch-positions", "qwen3_vl": "mlx-vlm-qwen3-vl-batch-positions"}
+# qwen3_5_moe's language model inherits Qwen3.5's (positions, attention, gated-delta layers)
+
+
+@pytest.fixture(scope="module", params=vlm.MODEL_TYPES)
+def model(request):
+    if not vlm.available(request.param):
+        pytest.skip(f"this mlx-vlm has no {request.param}")
+    return request.param, vlm.build(request.param)
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_batched_text_generation_equals_each_prompt_alone(model, path):
+    model_type, built = model
+    assert vlm.batched_problem(built, model_type, PATHS[path]) is None
+
+
+@pytest.fixture
+def reverted(request):
+    """The given patch ids (all if ``None``) reverted for the test, then applied again."""
+    ids = request.param
+    mlx_lm_patches.revert(ids)
+    try:
+        yield ids
+    finally:
+        mlx_lm_patches.apply()
+
+
+def _stock_cases():
+    for model_type, pid in POSITIONS.items():
+        for path in PATHS:
+            yield pytest.param(model_type, path, None, id=f"{model_type}-{path}-stock",
+                               marks=xfail_if_affected(pid))
+    yield pytest.param("qwen3_5", "mlx-vlm", ["mlx-vlm-gated-delta-advance"], id="qwen3_5-mlx-vlm-no-advance",
+                       marks=xfail_if_affected("mlx-vlm-gated-delta-advance"))
+
+
+@pytest.mark.parametrize("model_type,path,reverted", list(_stock_cases()), indirect=["reverted"])
+def test_unpatched_batching_fails_where_affected(model_type, path, reverted):
+    if not vlm.available(model_type):
+        pytest.skip(f"this mlx-vlm has no {model_type}")
+    built = vlm.build(model_type)
+    assert vlm.batched_problem(built, model_type, PATHS[path]) is None
+
+
+def test_image_positions_at_different_row_offsets_are_refused():
+    """With image/video rotary positions in play (non-zero ``_rope_deltas``), rows at one offset
+    run mlx-vlm's own computation; rows at different offsets raise instead of decoding at row
+    0's positions."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache
+
+    from mlx_lm_patches.vlm_positions import BatchedVisionPositions
+
+    if ROWS[POSITIONS["qwen3_vl"]].state != "applied":
+        pytest.skip(f"{POSITIONS['qwen3_vl']} is {ROWS[POSITIONS['qwen3_vl']].state} here")
+    lm = vlm.build("qwen3_vl").language_model
+
+    def call(left_padding):
+        lm._rope_deltas, lm._position_ids = mx.array([[3], [3]]), None  # as after an image prefill
+        return lm(mx.array([[1, 2], [3, 4]]), cache=[BatchKVCache(left_padding) for _ in lm.layers])
+
+    mx.eval(call([0, 0]).logits)  # one offset: mlx-vlm's own computation
+    with pytest.raises(BatchedVisionPositions, match="row 0's position"):
+        call([1, 0])
+
+
+@pytest.mark.subprocess
+def test_mlx_vlm_patches_are_decided_when_mlx_vlm_model_code_is_imported():
+    """Automatic activation: importing mlx_lm leaves the mlx-vlm patches pending (mlx-vlm is not
+    imported for them); importing mlx-vlm's Qwen3.5 language module decides them; ``status``
+    names the installed mlx-vlm and the range each of these patches is about."""
+    from mlx_lm_patches import versions
+
+    ran = run_python("""
+        import contextlib, io, json, mlx_lm, mlx_lm_patches
+        from mlx_lm_patches.__main__ import main
+        before = {r.id: r.state for r in mlx_lm_patches.status() if r.package == "mlx-vlm"}
+        import mlx_vlm.models.qwen3_5.language
+        after = {r.id: r.state for r in mlx_lm_patches.status() if r.package == "mlx-vlm"}
+        text = io.StringIO()
+        with contextlib.redirect_stdout(text):
+            main(["status"])
+        print(json.dumps([before, after, text.getvalue()]))
+    """)
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    before, after, status = ran.json()
+    expected = {pid: ROWS[pid].state for pid in before}
+    assert set(before) == {"mlx-vlm-qwen3-5-batch-positions", "mlx-vlm-qwen3-vl-batch-positions",
+                           "mlx-vlm-gated-delta-advance"}
+    for pid, state in expected.items():
+        if state == "applied":
+            assert before[pid] == "pending" and after[pid] == "applied", (pid, before[pid], after[pid])
+        else:
+            assert before[pid] == after[pid] == state
+    version = versions.installed("mlx-vlm").describe()
+    assert f", mlx-vlm {version}\n" in status.splitlines(True)[0], status.splitlines()[0]
+    line = next(x for x in status.splitlines() if x.split()[:1] == ["mlx-vlm-qwen3-5-batch-positions"])
+    assert line.split()[1:3] == [ROWS["mlx-vlm-qwen3-5-batch-positions"].state, "affected"], line
+    assert line.split()[3:] == ["mlx-vlm", ROWS["mlx-vlm-qwen3-5-batch-positions"].affected], line
