@@ -40,6 +40,7 @@ from .journal import _arrays, _kv_offset, flat_caches, recurrent_caches
 ATTR = "_mlx_lm_patches_trails"  # on ArraysCache objects: one Trail (or None) per batch row
 DEFAULT_MAX_CHECKPOINTS = 8
 FIRST_CUT = 32
+CHAIN_FLOOR = 256
 
 _lru_seen = False  # an LRUPromptCache was created in this process
 
@@ -223,23 +224,29 @@ def retained_nbytes(cache) -> int:
 
 
 def thin(marks: Sequence, limit: int) -> tuple:
-    """At most ``limit`` of ``marks`` (ascending by position), keeping for every position ``d``
-    covered before a kept state in ``[d/2, d]`` where possible: a chain down from the newest,
-    each the oldest within a factor of two of the previous; then the newest of the rest."""
+    """At most ``limit`` of ``marks`` (ascending by position). In order of priority: the newest;
+    a chain down from it, each the oldest within a factor of two of the previous, so that every
+    position ``d`` has a kept state in ``[d/2, d]``, down to ``CHAIN_FLOOR`` tokens; the newest
+    of the others (small gaps near the end, where requests usually diverge); the chain below the
+    floor (a state there saves few tokens); the rest, newest first."""
     marks = tuple(marks)
     if len(marks) <= limit:
         return marks
     if limit <= 0:
         return ()
     positions = [m[0] for m in marks]
-    keep = {len(marks) - 1}
-    i = len(marks) - 1
-    while len(keep) < limit and i > 0:
-        j = next(j for j in range(i) if 2 * positions[j] >= positions[i] or j == i - 1)
-        keep.add(j)
-        i = j
-    for j in reversed(range(len(marks))):
-        if len(keep) >= limit:
+    newest = len(marks) - 1
+    chain, i = [], newest
+    while i > 0:
+        i = next(j for j in range(i) if 2 * positions[j] >= positions[i] or j == i - 1)
+        chain.append(i)
+    high = [j for j in chain if positions[j] >= CHAIN_FLOOR]
+    low = [j for j in chain if positions[j] < CHAIN_FLOOR]
+    others = [j for j in reversed(range(newest)) if j not in chain]
+    order = [newest] + high + [j for j in others if positions[j] >= CHAIN_FLOOR] + low + others
+    keep = set()
+    for j in order:
+        if len(keep) == limit:
             break
         keep.add(j)
     return tuple(marks[j] for j in sorted(keep))

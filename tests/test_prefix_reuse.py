@@ -205,7 +205,7 @@ def test_kept_states_are_bounded_and_counted(store_class, monkeypatch):
     _, cache = _store_one(store_class(), model, prompt, step=256)
     kept = [pos for pos, _, _ in pc.checkpoints(cache)]
     assert len(kept) == 3 and kept[-1] == len(prompt) - 1, kept
-    assert all(b <= 2 * a for a, b in zip(kept, kept[1:])), "a chain within factors of two"
+    assert all(b <= 2 * a for a, b in zip(kept, kept[1:]) if a >= pc.CHAIN_FLOOR), "a chain within factors of two"
     recurrent = [c for c in cache if isinstance(c, ArraysCache)]
     per_state = sum(a.nbytes for a in recurrent[0].cache if a is not None)
     assert pc.retained_nbytes(recurrent[0]) == 3 * per_state
@@ -231,26 +231,37 @@ def test_dense_models_are_left_to_mlx_lm(store_class):
 
 
 def _chain_length(positions):
-    """States needed so every position has a kept one within a factor of two below it."""
+    """States needed so that every position from the floor up has a kept one within a factor
+    of two below it."""
     count, top = 1, positions[-1]
-    while True:
+    while top >= pc.CHAIN_FLOOR:
         lower = [p for p in positions if p < top]
         if not lower:
-            return count
-        top = next(p for p in lower if 2 * p >= top) if any(2 * p >= top for p in lower) else lower[-1]
+            break
+        top = next((p for p in lower if 2 * p >= top), lower[-1])
         count += 1
+    return count
 
 
 @pytest.mark.parametrize("positions", [list(range(32, 4097, 32)), [32, 64, 128, 256, 300, 512, 600, 1024, 1500, 2047],
-                                       [5, 7, 9, 200, 201, 202, 5000]])
+                                       [5, 7, 9, 200, 201, 202, 5000], [32, 64, 128] + list(range(256, 2113, 256)) + [2111]])
 @pytest.mark.parametrize("limit", [1, 3, 8, 12])
 def test_thinning_keeps_a_state_within_a_factor_of_two(positions, limit):
+    positions = sorted(set(positions))
     kept = [p for p, _ in pc.thin([(p, None) for p in positions], limit)]
     assert len(kept) == min(limit, len(positions)) and kept[-1] == positions[-1]
     if limit >= _chain_length(positions):
-        for d in range(positions[0], positions[-1] + 1):
+        for d in range(pc.CHAIN_FLOOR, positions[-1] + 1):
             if any(d / 2 <= p <= d for p in positions):
                 assert any(d / 2 <= p <= d for p in kept), (d, kept)
+
+
+def test_spare_states_go_to_the_newest_positions():
+    """A 2112-token prompt prefilled in chunks of 256: besides the chain, the budget keeps the
+    latest chunk ends (a request sharing 2048 tokens reuses 2048), not the first few tokens."""
+    positions = [32, 64, 128] + list(range(256, 2049, 256)) + [2111]
+    kept = [p for p, _ in pc.thin([(p, None) for p in positions], 8)]
+    assert kept == [256, 512, 768, 1280, 1536, 1792, 2048, 2111], kept
 
 
 def test_states_are_kept_only_where_a_prompt_cache_can_use_them():

@@ -1,0 +1,148 @@
+"""Diverging prefix reuse for a hybrid model: time to first token, cold vs reused, in one run.
+
+    python benchmarks/prefix_reuse.py [--shared 2048] [--tail 64] [--hidden 256] [--layers 8]
+
+Two requests share ``--shared`` tokens and then differ (``--tail`` tokens each). Request A is
+decoded and stored in mlx-lm's ``LRUPromptCache`` (prompt + generated tokens, as
+``mlx_lm.server`` stores it). Request B is then served
+
+* cold: an empty cache, prefill of all of B, first token;
+* reused: ``fetch_nearest_cache`` (the patched store hands back an exact earlier state),
+  prefill of the rest, first token - fetch time included;
+
+alternately, several times, through mlx-lm's own ``generate_step`` (the server's single-sequence
+path), for each ``--prefill-step-size``. Reported: median times, the ratio reused / cold (target
+<= 0.2 at 2k shared tokens), tokens reused, and that B's first tokens are equal both ways.
+
+Then bytes kept per recurrent layer per checkpoint: measured on the benchmark model, and on one
+gated-delta layer with the dimensions of Qwen3-Next-80B-A3B (hidden 2048, 32 value / 16 key
+heads of 128, conv kernel 4) run on a few tokens - the state a real checkpoint keeps per layer.
+
+A small random-weight qwen3_next (``--hidden``, ``--layers``) on whatever device mlx uses (CPU on
+Linux): ratios, not absolute speed. Run by hand; tests never assert on speed.
+"""
+
+import argparse
+import statistics
+import time
+
+
+def _model(hidden, layers):
+    import mlx.core as mx
+    from mlx_lm.models.qwen3_next import Model, ModelArgs
+
+    from mlx_lm_patches.testing.tiny_models import tiny_config
+
+    config = dict(tiny_config("qwen3_next"), hidden_size=hidden, intermediate_size=2 * hidden,
+                  num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=2,
+                  head_dim=hidden // 8, linear_num_value_heads=8, linear_num_key_heads=4,
+                  linear_key_head_dim=hidden // 8, linear_value_head_dim=hidden // 8)
+    mx.random.seed(0)
+    model = Model(ModelArgs.from_dict(config))
+    mx.eval(model.parameters())
+    model.eval()
+    return model
+
+
+def _first_tokens(model, prompt, cache, step, n=4):
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    out, first_at, start = [], None, time.perf_counter()
+    for token, _ in generate_step(mx.array(prompt), model, max_tokens=n, prompt_cache=cache,
+                                  prefill_step_size=step):
+        if first_at is None:
+            first_at = time.perf_counter() - start
+        out.append(int(token))
+    return first_at, out
+
+
+def time_to_first_token(model, args):
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlx_lm_patches.scenarios import lru_prompt_cache_class, prompt_tokens
+
+    shared = prompt_tokens(args.shared, vocab=256, seed=5)
+    a = shared + prompt_tokens(args.tail, seed=6)
+    b = shared + prompt_tokens(args.tail, seed=8)
+    print(f"\n1. time to first token of B ({len(b)} tokens, {args.shared} shared with stored A), "
+          f"median of {args.repeats}")
+    print(f"{'prefill step':>12} {'cold ms':>9} {'reused ms':>10} {'ratio':>7} {'reused tok':>11}  same tokens")
+    for step in args.steps:
+        store = lru_prompt_cache_class()()
+        cache = make_prompt_cache(model)
+        _, generated = _first_tokens(model, a, cache, step)
+        store.insert_cache("m", a + generated, cache)
+        cold, warm, reused, same = [], [], None, True
+        for _ in range(args.repeats):
+            t, cold_tokens = _first_tokens(model, b, make_prompt_cache(model), step)
+            cold.append(t)
+            start = time.perf_counter()
+            fetched, rest = store.fetch_nearest_cache("m", b)
+            fetch_time = time.perf_counter() - start
+            reused = len(b) - len(rest)
+            t, warm_tokens = _first_tokens(model, rest, fetched or make_prompt_cache(model), step)
+            warm.append(t + fetch_time)
+            same = same and warm_tokens == cold_tokens
+        c, w = statistics.median(cold), statistics.median(warm)
+        print(f"{step:>12} {c * 1e3:>9.1f} {w * 1e3:>10.1f} {w / c:>7.3f} {reused:>11}  {same}")
+
+
+def bytes_per_checkpoint(model):
+    from mlx_lm.models.cache import ArraysCache, make_prompt_cache
+
+    from mlx_lm_patches import prefix_checkpoints as pc
+    from mlx_lm_patches.scenarios import lru_prompt_cache_class, prompt_tokens
+
+    print("\n2. bytes kept per recurrent layer per checkpoint")
+    lru_prompt_cache_class()()  # states are kept while a prompt cache exists
+    cache = make_prompt_cache(model)
+    _first_tokens(model, prompt_tokens(1000, seed=3), cache, 256)
+    kept = pc.checkpoints(cache)
+    layers = [c for c in cache if isinstance(c, ArraysCache)]
+    per_layer = pc.retained_nbytes(layers[0]) / len(kept)
+    print(f"benchmark model: {len(kept)} checkpoints at {[p for p, _, _ in kept]}, "
+          f"{per_layer:,.0f} B per layer per checkpoint, {len(layers)} recurrent layers")
+
+    import mlx.core as mx
+    from mlx_lm.models.qwen3_next import ModelArgs, Qwen3NextGatedDeltaNet
+
+    from mlx_lm_patches.testing.tiny_models import tiny_config
+
+    real = dict(tiny_config("qwen3_next"), hidden_size=2048, linear_num_value_heads=32,
+                linear_num_key_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,
+                linear_conv_kernel_dim=4)
+    layer = Qwen3NextGatedDeltaNet(ModelArgs.from_dict(real))
+    layer_cache = ArraysCache(2)
+    layer(mx.zeros((1, 3, 2048), mx.bfloat16), cache=layer_cache)
+    mx.eval(layer_cache.state)
+    state = sum(a.nbytes for a in layer_cache.cache if a is not None)
+    shapes = [(tuple(a.shape), str(a.dtype)) for a in layer_cache.cache if a is not None]
+    print(f"Qwen3-Next-80B-A3B gated-delta layer: {state:,} B per checkpoint ({shapes}); "
+          f"x36 linear layers = {36 * state / 2**20:,.1f} MiB per checkpoint")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shared", type=int, default=2048)
+    parser.add_argument("--tail", type=int, default=64)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--steps", type=int, nargs="+", default=[256, 2048])
+    args = parser.parse_args()
+
+    import mlx.core as mx
+    import mlx_lm
+
+    import mlx_lm_patches
+
+    mlx_lm_patches.apply()
+    print(f"mlx-lm {mlx_lm.__version__}, mlx {mx.__version__}, device {mx.default_device()}")
+    model = _model(args.hidden, args.layers)
+    time_to_first_token(model, args)
+    bytes_per_checkpoint(model)
+
+
+if __name__ == "__main__":
+    main()
