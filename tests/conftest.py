@@ -90,3 +90,18 @@ def xfail_if_affected(patch_id, reason=""):
         affected(patch_id), strict=True,
         reason=reason or f"compat_matrix.yaml: {patch_id} affects this {package} (stock is broken)",
     )
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failing test that used a running ``mlx_lm.server`` (``testing.server.Server``) shows the
+    end of the server's log in its report."""
+    outcome = yield
+    report = outcome.get_result()
+    if not report.failed:
+        return
+    from mlx_lm_patches.testing.server import Server
+
+    for name, value in getattr(item, "funcargs", {}).items():
+        if isinstance(value, Server):
+            report.sections.append((f"mlx_lm.server log ({name}, tail)", value.log_tail(80)))

@@ -1,0 +1,197 @@
+"""Run ``mlx_lm.server`` the way users do - a subprocess listening on loopback - and talk to it.
+
+``serve(model, *args, env=..., python=...)`` starts ``python -m mlx_lm.server --model MODEL
+--host 127.0.0.1 --port PORT *args`` on a free port, waits until ``/health`` answers, yields a
+:class:`Server` and stops the process (terminate, then kill) when the block ends::
+
+    with serve("path/to/model", "--draft-model", "path/to/draft", env=env) as server:
+        client = server.client()              # openai.OpenAI(base_url=server.base_url, ...)
+        reply = client.chat.completions.create(model="default_model", messages=[...])
+        body = server.post("/v1/chat/completions", {...})   # raw JSON, every field the release sends
+
+The server's stdout and stderr go to one log file; :meth:`Server.log_tail` shows its end (tests
+attach it to failure reports). If the process exits before it is ready, :class:`ServerExited`
+carries its return code and log tail. Nothing here waits without a timeout.
+
+``python -m mlx_lm.server`` with the package installed runs the patched module (the package's
+bootstrap makes ``-m mlx_lm.X`` run the imported module's ``main()``); pass
+``env=dict(..., MLX_LM_PATCHES="0")`` for stock mlx-lm. ``openai`` is imported only by
+:meth:`Server.client`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import os
+import pathlib
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Iterator, Mapping, Optional
+
+__all__ = ["Server", "ServerExited", "free_port", "serve", "server_flags"]
+
+HOST = "127.0.0.1"
+
+
+class ServerExited(RuntimeError):
+    """The server process ended, or never became ready, or says it cannot generate (``/health``
+    503: its generation thread died, 0.32+). The message ends with the log's tail; ``log`` is
+    the whole log."""
+
+    def __init__(self, message: str, returncode: Optional[int], log: str):
+        super().__init__(f"{message}\n--- mlx_lm.server log (tail) ---\n{_tail(log, 60)}")
+        self.returncode = returncode
+        self.log = log
+        self.log_tail = _tail(log, 60)
+
+
+def _tail(log: str, lines: int) -> str:
+    """The last ``lines`` lines of a server log, without the readiness polls (``GET /health``)."""
+    kept = [line for line in log.splitlines() if '"GET /health ' not in line]
+    return "\n".join(kept[-lines:])
+
+
+def free_port(host: str = HOST) -> int:
+    """A TCP port nothing listens on right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def server_flags(python: Optional[str] = None) -> frozenset:
+    """The command-line flags ``mlx_lm.server`` of ``python``'s environment accepts (from its
+    ``--help``): ``--draft-model``, ``--prefill-step-size``, ... differ between releases."""
+    proc = subprocess.run([python or sys.executable, "-m", "mlx_lm.server", "--help"],
+                          capture_output=True, text=True, timeout=120, cwd="/")
+    return frozenset(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", proc.stdout))
+
+
+class Server:
+    """A running ``mlx_lm.server`` subprocess."""
+
+    def __init__(self, process: subprocess.Popen, port: int, log_path: pathlib.Path,
+                 host: str = HOST):
+        self.process = process
+        self.host = host
+        self.port = port
+        self.log_path = log_path
+        self.base_url = f"http://{host}:{port}/v1"
+
+    # -- talking to it ------------------------------------------------------------------------
+    def client(self, timeout: float = 120.0, max_retries: int = 0):
+        """An ``openai.OpenAI`` client for this server (no retries: a failure shows at once)."""
+        import openai
+
+        return openai.OpenAI(base_url=self.base_url, api_key="x", timeout=timeout,
+                             max_retries=max_retries)
+
+    def request(self, method: str, path: str, body=None, timeout: float = 120.0):
+        """``(status, raw bytes)`` of one HTTP request; ``body`` is sent as JSON."""
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+        try:
+            data = None if body is None else json.dumps(body).encode()
+            headers = {"Content-Type": "application/json"} if data is not None else {}
+            conn.request(method, path, body=data, headers=headers)
+            response = conn.getresponse()
+            return response.status, response.read()
+        finally:
+            conn.close()
+
+    def post(self, path: str, body: Mapping, timeout: float = 120.0) -> dict:
+        """POST ``body`` as JSON and return the decoded JSON answer; raises ``RuntimeError``
+        with the status and body on a non-200 answer."""
+        status, raw = self.request("POST", path, dict(body), timeout=timeout)
+        if status != 200:
+            raise RuntimeError(f"POST {path} -> HTTP {status}: {raw[:2000].decode(errors='replace')}")
+        return json.loads(raw)
+
+    # -- its state ----------------------------------------------------------------------------
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def log_tail(self, lines: int = 60) -> str:
+        """The end of the log, without the readiness polls."""
+        return _tail(self.log(), lines) if self.log_path.exists() else "(no log)"
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def wait_ready(self, timeout: float) -> None:
+        """Until ``/health`` answers 200; raises :class:`ServerExited` if the process ends,
+        ``/health`` answers 503 (the generation thread died, 0.32+) or ``timeout`` passes."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if not self.alive():
+                raise ServerExited(f"mlx_lm.server exited with code {self.process.returncode} "
+                                   "before it was ready", self.process.returncode, self.log())
+            try:
+                status, body = self.request("GET", "/health", timeout=2.0)
+                if status == 200:
+                    return
+                if status == 503:
+                    raise ServerExited(f"mlx_lm.server is up but cannot generate (/health: "
+                                       f"{body.decode(errors='replace')})", None, self.log())
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise ServerExited(f"mlx_lm.server not ready after {timeout:.0f}s", None, self.log())
+            time.sleep(0.1)
+
+    def stop(self, timeout: float = 10.0) -> Optional[int]:
+        """Terminate the process (kill it if it does not exit within ``timeout``)."""
+        if self.alive():
+            self.process.terminate()
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout)
+        return self.process.returncode
+
+
+@contextlib.contextmanager
+def serve(model, *args: str, env: Optional[Mapping[str, str]] = None,
+          python: Optional[str] = None, port: Optional[int] = None,
+          ready_timeout: float = 180.0, log_dir=None, cwd="/") -> Iterator[Server]:
+    """Start ``python -m mlx_lm.server --model MODEL --host 127.0.0.1 --port PORT *args``.
+
+    Args:
+        model: Model folder (or anything ``--model`` accepts).
+        args: More command-line arguments (``"--draft-model", path``, ...).
+        env: The whole environment of the process (default: this one with
+            ``HF_HUB_OFFLINE=1``). Tests pass a clean one.
+        python: Interpreter (default: this one).
+        port: Port (default: a free one).
+        ready_timeout: Seconds to wait for ``/health``.
+        log_dir: Where the log file goes (default: a temporary directory, removed afterwards).
+        cwd: Working directory of the server (default ``/``: no stray ``mtp`` folder).
+    """
+    env = dict(os.environ if env is None else env)
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    with contextlib.ExitStack() as stack:
+        if log_dir is None:
+            log_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="mlx-lm-server-"))
+        log_path = pathlib.Path(log_dir) / f"server-{os.getpid()}-{time.monotonic_ns()}.log"
+        port = port or free_port()
+        argv = [python or sys.executable, "-m", "mlx_lm.server", "--model", str(model),
+                "--host", HOST, "--port", str(port), *map(str, args)]
+        with open(log_path, "wb") as log_file:
+            process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_file,
+                                       stderr=subprocess.STDOUT, env=env, cwd=cwd)
+        server = Server(process, port, log_path)
+        try:
+            server.wait_ready(ready_timeout)
+            yield server
+        finally:
+            server.stop()
+

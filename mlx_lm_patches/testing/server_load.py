@@ -1,0 +1,179 @@
+"""A bounded load on ``mlx_lm.server``: many chat requests with shared and diverging prefixes,
+sent from a few threads at once, each answer checked against its cold reference.
+
+:func:`workload` builds the requests (message lists): conversations under a long shared system
+prompt, a short one or none; user messages that share a long document and diverge only at the
+end (a divergence inside the last message); second turns that carry a first turn's answer; and
+repeats. :func:`run_load` sends them at a given concurrency through the ``openai`` client and
+times each; :class:`LoadResult` summarises errors, lost requests, throughput and latency
+percentiles. Used by ``tests/test_server_openai.py`` (small) and
+``benchmarks/server_load.py`` (200 requests, patched vs stock).
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional, Sequence
+
+__all__ = ["Answer", "LoadResult", "run_load", "workload"]
+
+SYSTEMS = (
+    "You are a helpful assistant. Answer briefly, kindly and honestly. " * 4,
+    "You are a terse assistant.",
+    None,
+)
+DOCUMENT = (
+    "Once upon a time there was a little house on the side of a hill. In the house lived an old "
+    "man, his daughter, and a very curious cat. Every morning the cat walked down to the river "
+    "to watch the fish. The water was cold and clear, and the sun was warm on the stones. "
+)
+ENDINGS = ("Who lived in the house?", "Where did the cat go?", "Was the water warm?",
+           "What did the cat watch?", "Final question: alpha", "Final question: omega")
+QUESTIONS = ("Hello! How can I help you today?", "What is the capital of France?",
+             "Please write a short poem about the sea.", "What time does the train leave?",
+             "Why do birds sing in the morning?", "two plus two")
+FOLLOW_UPS = ("And why?", "Tell me more.", "Thank you. What else?")
+
+
+def _messages(system, user, history=()):
+    out = [{"role": "system", "content": system}] if system else []
+    return out + list(history) + [{"role": "user", "content": user}]
+
+
+def workload(n: int, answer: Callable[[list], str], seed: int = 0) -> List[list]:
+    """``n`` message lists, in a shuffled but reproducible order: every distinct request once
+    (48 of them), then repeats. ``answer(messages)`` gives a first turn's answer text (the
+    reference), which second turns carry as the assistant message; it is called only for the
+    second turns chosen."""
+    rng = random.Random(seed)
+    first_turns = []
+    for system in SYSTEMS:
+        for question in QUESTIONS:
+            first_turns.append(_messages(system, question))
+        for ending in ENDINGS:
+            first_turns.append(_messages(system, DOCUMENT + ending))
+
+    def second_turn(i):
+        first = first_turns[3 * i]
+        history = [m for m in first if m["role"] != "system"]
+        history.append({"role": "assistant", "content": answer(first)})
+        system = first[0]["content"] if first[0]["role"] == "system" else None
+        return _messages(system, FOLLOW_UPS[i % len(FOLLOW_UPS)], history)
+
+    pool = [("first", i) for i in range(len(first_turns))]
+    pool += [("second", i) for i in range(len(first_turns[::3]))]
+    rng.shuffle(pool)
+    chosen = [pool[i % len(pool)] for i in range(n)]
+    rng.shuffle(chosen)
+    built = {}
+    for kind, i in chosen:
+        if (kind, i) not in built:
+            built[kind, i] = first_turns[i] if kind == "first" else second_turn(i)
+    return [built[key] for key in chosen]
+
+
+@dataclass
+class Answer:
+    index: int
+    text: Optional[str] = None
+    finish_reason: Optional[str] = None
+    completion_tokens: int = 0
+    cached_tokens: Optional[int] = None
+    seconds: float = 0.0
+    error: Optional[str] = None
+
+
+@dataclass
+class LoadResult:
+    answers: List[Answer]
+    seconds: float  # wall time of the whole load
+    requests: int
+    concurrency: int
+    errors: List[Answer] = field(default_factory=list)
+
+    @property
+    def lost(self) -> int:
+        """Requests without an answer or error (never expected)."""
+        return self.requests - len(self.answers)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(a.completion_tokens for a in self.answers)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.completion_tokens / self.seconds if self.seconds else 0.0
+
+    def latency(self, quantile: float) -> float:
+        times = sorted(a.seconds for a in self.answers if a.error is None)
+        if not times:
+            return float("nan")
+        if len(times) == 1:
+            return times[0]
+        return statistics.quantiles(times, n=100, method="inclusive")[int(quantile * 100) - 1]
+
+    def summary(self) -> dict:
+        return {"requests": self.requests, "concurrency": self.concurrency, "errors": len(self.errors),
+                "lost": self.lost, "seconds": round(self.seconds, 3),
+                "completion_tokens": self.completion_tokens,
+                "tokens_per_second": round(self.tokens_per_second, 2),
+                "p50_s": round(self.latency(0.50), 4), "p95_s": round(self.latency(0.95), 4)}
+
+
+def run_load(server, jobs: Sequence[list], concurrency: int = 8, max_tokens: int = 16,
+             stream_every: int = 3, extra: Optional[dict] = None, timeout: float = 300.0,
+             max_errors: Optional[int] = None) -> LoadResult:
+    """Send ``jobs`` (message lists) to ``server`` (``testing.server.Server``) from
+    ``concurrency`` threads, greedy (temperature 0); every ``stream_every``-th request streams.
+    ``extra`` goes into each request body (e.g. ``repetition_penalty``); ``timeout`` bounds
+    each request. After ``max_errors`` errors the requests not sent yet are not sent (each
+    counts as an error "not sent"): a server that hangs costs one timeout, not one per request."""
+    local = threading.local()
+    failures = []
+
+    def one(index):
+        if max_errors is not None and len(failures) >= max_errors:
+            failures.append(index)
+            return Answer(index, error="not sent: too many errors before it")
+        client = getattr(local, "client", None)
+        if client is None:
+            client = local.client = server.client(timeout=timeout)
+        messages = jobs[index]
+        answer = Answer(index)
+        started = time.perf_counter()
+        try:
+            if stream_every and index % stream_every == stream_every - 1:
+                text, finish, usage = "", None, None
+                for chunk in client.chat.completions.create(
+                        model="default_model", messages=messages, max_tokens=max_tokens, temperature=0,
+                        stream=True, stream_options={"include_usage": True}, extra_body=extra or {}):
+                    usage = chunk.usage or usage
+                    for choice in chunk.choices:
+                        text += choice.delta.content or ""
+                        finish = choice.finish_reason or finish
+            else:
+                reply = client.chat.completions.create(
+                    model="default_model", messages=messages, max_tokens=max_tokens, temperature=0,
+                    extra_body=extra or {})
+                text, finish, usage = reply.choices[0].message.content or "", reply.choices[0].finish_reason, reply.usage
+            answer.text, answer.finish_reason = text, finish
+            if usage is not None:
+                answer.completion_tokens = usage.completion_tokens
+                details = getattr(usage, "prompt_tokens_details", None)
+                answer.cached_tokens = getattr(details, "cached_tokens", None)
+        except Exception as exc:  # counted, never raised: the load goes on
+            answer.error = f"{type(exc).__name__}: {exc}"
+            failures.append(index)
+        answer.seconds = time.perf_counter() - started
+        return answer
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        answers = list(pool.map(one, range(len(jobs))))
+    seconds = time.perf_counter() - started
+    return LoadResult(answers, seconds, len(jobs), concurrency, [a for a in answers if a.error])
