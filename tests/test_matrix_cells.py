@@ -20,21 +20,35 @@ def patched():
     return {row.id: row for row in mlx_lm_patches.apply()}
 
 
+@pytest.fixture(scope="module")
+def stock_outcomes():
+    """Every patch's scenario run on stock mlx-lm (MLX_LM_PATCHES=0), in one fresh interpreter:
+    ``{id: (ok, summary)}``. A scenario that raises is reported as a failure of that scenario."""
+    import json
+
+    ran = run_python(f"""
+        import importlib, json
+        from mlx_lm_patches import matrix
+        out = {{}}
+        for pid in {IDS!r}:
+            try:
+                outcome = importlib.import_module(matrix.load().get(pid).module_name).scenario()
+                out[pid] = (outcome.ok, outcome.summary)
+            except Exception as exc:
+                out[pid] = (False, f"scenario raised {{type(exc).__name__}}: {{exc}}")
+        print(json.dumps(out))
+    """, env={"MLX_LM_PATCHES": "0"}, timeout=1800)
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    return json.loads(ran.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.subprocess
 @pytest.mark.parametrize("pid", [pytest.param(i, marks=xfail_if_affected(i)) for i in IDS])
-def test_stock_mlx_lm_passes_the_scenario_unless_affected(pid):
-    module = matrix.load().get(pid).module_name
-    ran = run_python(f"""
-        import importlib
-        outcome = importlib.import_module({module!r}).scenario()
-        print(outcome.ok)
-        print(outcome.summary)
-    """, env={"MLX_LM_PATCHES": "0"})
-    assert ran.returncode == 0, ran.stderr[-2000:]
-    ok, summary = ran.stdout.split("\n", 1)
-    if ok == "None":
+def test_stock_mlx_lm_passes_the_scenario_unless_affected(pid, stock_outcomes):
+    ok, summary = stock_outcomes[pid]
+    if ok is None:
         pytest.skip(f"not applicable on this mlx-lm: {summary.strip()}")
-    assert ok == "True", f"stock mlx-lm fails {pid}: {summary.strip()}"
+    assert ok is True, f"stock mlx-lm fails {pid}: {summary.strip()}"
 
 
 @pytest.mark.parametrize("pid", IDS)
