@@ -1,0 +1,136 @@
+"""A bounded load on ``mlx_lm.server`` over loopback, patched vs stock, in one run.
+
+    python benchmarks/server_load.py [--model-type nemotron_h] [--requests 200] [--concurrency 8]
+                                     [--max-tokens 16] [--rounds 2] [--no-stock]
+
+Writes a tiny random-weight hybrid model folder (local tokenizer, ChatML template), then, for the
+installed package (patches on) and for ``MLX_LM_PATCHES=0`` (stock mlx-lm), starts
+``python -m mlx_lm.server`` on 127.0.0.1, warms it up and sends the same requests with the
+``openai`` client from ``--concurrency`` threads: shared system prompts, a shared document that
+diverges in the last user message, second turns carrying a first turn's answer, and repeats
+(``mlx_lm_patches.testing.server_load.workload``); a third are streamed. Each answer is compared
+with its sequential cold reference (greedy, single sequence, computed in this process).
+
+Reported per mode: errors, lost requests, answers differing from the reference, completion
+tokens/s, p50/p95 latency; then patched/stock ratios (throughput, p50, p95). Rounds alternate
+the two servers (patched, stock, patched, ...), each on a fresh server, and the best round of
+each is kept. Stock counts only where it works: a stock server that answers wrong, errs or
+hangs is reported as such (its speed is printed for information, marked). On 0.28.4 requests
+carry ``repetition_penalty: 0`` so the server batches them (its default 1.0 does not).
+Tiny model on CPU: the numbers measure the serving path (batching, caching, HTTP), not a real
+model's speed. Run by hand; tests never assert on speed.
+"""
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model-type", default="nemotron_h")
+    parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=2, help="rounds per mode, alternating")
+    parser.add_argument("--timeout", type=float, default=60.0,
+                        help="seconds per request; after --concurrency errors a run stops")
+    parser.add_argument("--no-stock", action="store_true", help="patched server only")
+    parser.add_argument("--server-args", default="", help="extra mlx_lm.server arguments")
+    parser.add_argument("--json", action="store_true", help="also print the results as JSON")
+    args = parser.parse_args()
+
+    import mlx_lm_patches
+
+    mlx_lm_patches.apply()  # the reference path is untouched; this only makes 0.28.4 tokenize
+    from mlx_lm import load
+    from packaging.version import Version
+
+    from mlx_lm_patches import env as ours
+    from mlx_lm_patches import versions
+    from mlx_lm_patches.testing.chat_reference import chat_reference
+    from mlx_lm_patches.testing.model_folder import write_model_folder
+    from mlx_lm_patches.testing.server import ServerExited, serve
+    from mlx_lm_patches.testing.server_load import run_load, workload
+    from mlx_lm_patches.testing.tiny_models import build_tiny_model, tiny_config
+
+    version = versions.mlx_lm().parsed
+    extra = {}
+    if version < Version("0.29.0"):
+        extra["repetition_penalty"] = 0
+
+    base_env = {k: v for k, v in os.environ.items() if k not in ours.ALL_VARIABLES and k != "PYTHONPATH"}
+    base_env["HF_HUB_OFFLINE"] = "1"
+    modes = {"patched": dict(base_env)}
+    if not args.no_stock:
+        modes["stock"] = dict(base_env, MLX_LM_PATCHES="0")
+
+    with tempfile.TemporaryDirectory(prefix="server-load-") as tmp:
+        folder = write_model_folder(os.path.join(tmp, "model"), build_tiny_model(args.model_type, seed=1),
+                                    tiny_config(args.model_type))
+        model, tokenizer = load(str(folder))
+        memo = {}
+
+        def reference(messages):
+            key = json.dumps(messages)
+            if key not in memo:
+                memo[key] = chat_reference(model, tokenizer, messages, args.max_tokens)
+            return memo[key]
+
+        jobs = workload(args.requests, lambda m: reference(m).text, seed=0)
+        for messages in jobs:
+            reference(messages)
+        print(f"mlx-lm {versions.mlx_lm().describe()}, mlx {versions.mlx().describe()}, {args.model_type} "
+              f"(tiny, CPU), {args.requests} requests ({len(memo)} distinct) at concurrency "
+              f"{args.concurrency}, max_tokens {args.max_tokens}", flush=True)
+
+        best, broken = {}, {}
+        for round_ in range(args.rounds):
+            for mode, env in modes.items():
+                if mode in broken:
+                    continue
+                try:
+                    with serve(folder, *args.server_args.split(), env=env, ready_timeout=180) as server:
+                        warm = run_load(server, jobs[:args.concurrency], args.concurrency, args.max_tokens,
+                                        extra=extra, timeout=args.timeout)
+                        if warm.errors:
+                            broken[mode] = f"warm-up failed: {warm.errors[0].error}"
+                            continue
+                        result = run_load(server, jobs, args.concurrency, args.max_tokens, extra=extra,
+                                          timeout=args.timeout, max_errors=args.concurrency)
+                except ServerExited as exc:
+                    broken[mode] = f"server did not start: {str(exc).splitlines()[0]}"
+                    continue
+                wrong = sum(1 for a in result.answers if a.error is None and
+                            (a.text, a.finish_reason) != (reference(jobs[a.index]).text,
+                                                          reference(jobs[a.index]).finish_reason))
+                row = dict(result.summary(), wrong=wrong, round=round_)
+                print(f"  round {round_} {mode:>7}: {row}", flush=True)
+                if mode not in best or row["tokens_per_second"] > best[mode]["tokens_per_second"]:
+                    best[mode] = row
+
+    print()
+    print(f"{'mode':>7} {'errors':>6} {'lost':>4} {'wrong':>5} {'tok/s':>8} {'p50 s':>7} {'p95 s':>7}")
+    for mode in modes:
+        if mode in broken:
+            print(f"{mode:>7}  does not work: {broken[mode]}")
+            continue
+        row = best[mode]
+        print(f"{mode:>7} {row['errors']:>6} {row['lost']:>4} {row['wrong']:>5} {row['tokens_per_second']:>8.1f} "
+              f"{row['p50_s']:>7.3f} {row['p95_s']:>7.3f}")
+    stock_works = "stock" in best and not (best["stock"]["errors"] or best["stock"]["lost"] or best["stock"]["wrong"])
+    if "patched" in best and "stock" in best:
+        p, s = best["patched"], best["stock"]
+        mark = "" if stock_works else "   (stock answers are wrong or failed: for information only)"
+        print(f"patched/stock: throughput {p['tokens_per_second'] / s['tokens_per_second']:.2f}x, "
+              f"p50 {p['p50_s'] / s['p50_s']:.2f}x, p95 {p['p95_s'] / s['p95_s']:.2f}x{mark}")
+    if args.json:
+        print(json.dumps({"best": best, "broken": broken, "stock_works": stock_works}))
+    patched = best.get("patched")
+    return 0 if patched and not (patched["errors"] or patched["lost"] or patched["wrong"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
