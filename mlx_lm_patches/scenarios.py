@@ -90,6 +90,43 @@ def speculative_greedy(model, draft_model, prompt, max_tokens=8, num_draft_token
     return Decoded(tokens, logprobs)
 
 
+def continue_after_speculation(model, draft_model, prompt=None, follow_up=None, *,
+                               num_draft_tokens=3, max_tokens=8, stop_after=None,
+                               continue_tokens=4) -> Optional[str]:
+    """What ``mlx_lm.server`` with a draft model does over two turns: decode ``prompt``
+    speculatively into a supplied prompt cache (``make_prompt_cache(model) +
+    make_prompt_cache(draft_model)``) up to ``max_tokens``, or close the generator after
+    ``stop_after`` tokens (a stop token); then continue each model's part of that cache with
+    ``follow_up`` through ``generate_step``. ``None`` if both continuations equal greedy decoding
+    of prompt + generated tokens + ``follow_up`` with a cold prefill, else what differs."""
+    import mlx.core as mx
+    from mlx_lm.generate import speculative_generate_step
+    from mlx_lm.models.cache import make_prompt_cache
+
+    prompt = list(prompt or prompt_tokens(14, seed=2))
+    follow_up = list(follow_up or prompt_tokens(5, seed=9))
+    main_count = len(make_prompt_cache(model))
+    cache = make_prompt_cache(model) + make_prompt_cache(draft_model)
+    steps = speculative_generate_step(mx.array(prompt), model, draft_model, max_tokens=max_tokens,
+                                      num_draft_tokens=num_draft_tokens, prompt_cache=cache)
+    generated = []
+    for token, _logprobs, _from_draft in steps:
+        generated.append(int(token))
+        if stop_after is not None and len(generated) >= stop_after:
+            break
+    steps.close()
+    history = prompt + generated + follow_up
+    for role, part_model, part in (("main", model, cache[:main_count]),
+                                   ("draft", draft_model, cache[main_count:])):
+        reference = greedy(part_model, history, max_tokens=continue_tokens)
+        got = greedy(part_model, follow_up, max_tokens=continue_tokens, prompt_cache=part)
+        problem = reference.compare(got)
+        if problem:
+            return (f"the {role} model continuing from its part of the cache "
+                    f"({len(generated)} tokens generated): {problem}")
+    return None
+
+
 def prompt_tokens(n=12, vocab=256, seed=0) -> List[int]:
     """A deterministic prompt of ``n`` token ids below ``vocab``."""
     return [(seed * 7919 + i * 37 + 11) % (vocab - 4) + 1 for i in range(n)]

@@ -86,13 +86,15 @@ def _trim_prompt_cache(wrapped, instance, args, kwargs):
 
 
 class _JournaledModel:
-    """A model inside the speculative loop: its caches are journaled (see journal.py)."""
+    """A model inside the speculative loop: its caches are journaled (see journal.py).
+    ``caller_caches``: the caches, when they are the caller's prompt cache (see speculative.py)."""
 
-    def __init__(self, model, caches, window):
+    def __init__(self, model, caches, window, supplied=False):
         from ..journal import Journal, has_recurrent_state
 
         self._model = model
         self._caches = caches
+        self.caller_caches = caches if supplied else None
         self.journal = Journal(model, caches, window, strict=True) if has_recurrent_state(caches) else None
 
     def make_cache(self):
@@ -111,19 +113,18 @@ def _speculative_with_rollback(wrapped, instance, args, kwargs):
     from mlx_lm.models.cache import make_prompt_cache
 
     from ..journal import has_recurrent_state
-    from ..speculative import bind_arguments, split_prompt_cache
+    from ..speculative import bind_arguments, caller_parts
 
     bound = bind_arguments(wrapped, args, kwargs)
     model, draft_model = bound.arguments["model"], bound.arguments["draft_model"]
-    prompt_cache = bound.arguments.get("prompt_cache")
-    if prompt_cache is None:
-        main, draft = make_prompt_cache(model), make_prompt_cache(draft_model)
-    else:
-        main, draft = split_prompt_cache(model, draft_model, prompt_cache)
+    parts = caller_parts(model, draft_model, bound.arguments.get("prompt_cache"))
+    supplied = parts is not None
+    main, draft = parts if supplied else (make_prompt_cache(model), make_prompt_cache(draft_model))
     if not (has_recurrent_state(main) or has_recurrent_state(draft)):
         return wrapped(*args, **kwargs)
     window = int(bound.arguments.get("num_draft_tokens") or 2) + 1
-    views = _JournaledModel(model, main, window), _JournaledModel(draft_model, draft, window)
+    views = (_JournaledModel(model, main, window, supplied),
+             _JournaledModel(draft_model, draft, window, supplied))
     bound.arguments.update(model=views[0], draft_model=views[1], prompt_cache=None)
     return _detach_when_done(wrapped(*bound.args, **bound.kwargs), views)
 

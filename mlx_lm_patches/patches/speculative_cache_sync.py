@@ -1,0 +1,201 @@
+"""After speculative decoding, a supplied prompt cache holds exactly the prompt and the generated tokens.
+
+Bug
+    ``generate_step`` feeds every token before it yields it, so a supplied ``prompt_cache`` ends
+    holding what it held before, the prompt and every yielded token. ``speculative_generate_step``
+    (``stream_generate(..., draft_model=...)``, ``mlx_lm.generate --draft-model``,
+    ``mlx_lm.server --draft-model``) does not: when it ends (``max_tokens``, or closed by its
+    consumer after a stop token) the main model's caches lack the last yielded token whenever
+    that token was the main model's own (a correction or the bonus token: it is only fed by the
+    next verify pass), and the draft's caches lack one or two tokens (the last accepted draft
+    token, the correction). Measured on a 14-token prompt: main ``len(prompt) + yielded`` or
+    one fewer, draft one or two fewer than that, on 0.28.4, 0.30.7, 0.31.3 and 0.32.2, dense
+    models included. (A generator merely left suspended also holds the verify pass's tokens
+    not yet yielded; mlx-lm's own ``finally`` trims them when it is closed.)
+    ``mlx_lm.server`` serves every request of a server with a draft model through
+    ``stream_generate`` and then stores the cache in its ``LRUPromptCache`` under ``prompt +
+    generated tokens`` (``server.py``: 0.28.4 :784/:792, 0.30.7 :950/:960, 0.31.3 :1006/:1019,
+    0.32.2 :1132/:1145). A follow-up request that extends that conversation (the next chat turn,
+    a continued completion) finds the entry as a prefix and decodes from a cache that misses a
+    token of it: silently wrong output.
+
+Fix
+    The generator is wrapped when the caller supplied the cache (or a stand-in of another patch
+    of this package carries the caller's caches, whichever order the wrappers stack in). When it
+    ends - exhausted or closed - each part of the cache (``make_prompt_cache(model)``, then the
+    draft's) is measured and moved until it holds exactly what it held before, the prompt and
+    every yielded token (``mlx_lm_patches/cache_sync.py``): missing tokens are fed through the
+    model's own forward in one pass; extra ones are trimmed (attention caches exactly, recurrent
+    caches only through the journal of ``recurrent-rollback`` while it is attached; never a
+    reset). Attention caches are measured by their offset, recurrent ones by that journal's
+    count; every layer must agree. Cost: one forward pass of at most one token for the main
+    model and two for the draft, per generation.
+
+    When the main part cannot be made exact, nothing is claimed: if its position cannot be read
+    (recurrent caches without ``recurrent-rollback``'s journal, a cache type without an offset)
+    the generator raises ``CacheOutOfSync`` before its first token - ``mlx_lm.server`` then
+    answers with an error and stores nothing; if a move fails at the end (not seen with
+    mlx-lm's loop: after its ``finally`` only tokens are missing) ``CacheOutOfSync`` is raised
+    and logged (a generator closed by garbage collection can only log it). The draft's cache
+    only decides which proposals are made, never the output: a draft part that cannot be
+    checked (the MTP draft's own cache, which re-synchronises with the main model on every
+    call) is left as it is, and a failed draft move is logged as a warning.
+
+Affected
+    Every supported release (0.28.4 - 0.32.2); the probe decides on newer ones.
+
+Upstream
+    https://github.com/ml-explore/mlx-lm/blob/v0.32.2/mlx_lm/generate.py (``speculative_generate_step``:
+    ``_rewind_cache`` keeps the caches one verify input behind);
+    https://github.com/ml-explore/mlx-lm/blob/v0.32.2/mlx_lm/server.py (stream path: the cache is
+    stored under ``prompt + generated tokens``).
+
+Retire
+    When mlx-lm's speculative loop leaves a supplied prompt cache holding every yielded token
+    (or the server stores it under the tokens it holds) in every supported release.
+
+Metal
+    The catch-up pass is the model's own forward over one or two tokens: the same kernels a
+    prefill of those tokens runs. On GPU a catch-up pass and single-token decoding may differ in
+    the last bits, as any prompt-cache reuse does.
+"""
+
+import logging
+import sys
+
+from ..scenarios import Outcome
+
+log = logging.getLogger("mlx_lm_patches")
+
+GENERATE = "mlx_lm.generate"
+CACHE = "mlx_lm.models.cache"
+
+
+def _sync_supplied_cache(wrapped, instance, args, kwargs):
+    from ..speculative import bind_arguments, caller_parts
+
+    bound = bind_arguments(wrapped, args, kwargs)
+    model, draft_model = bound.arguments["model"], bound.arguments["draft_model"]
+    try:
+        parts = caller_parts(model, draft_model, bound.arguments.get("prompt_cache"))
+    except ValueError:
+        parts = None  # a malformed prompt cache: mlx-lm (or speculative-cache-split) says so
+    if parts is None:
+        return wrapped(*args, **kwargs)
+    return _synced_steps(wrapped, args, kwargs, bound, parts)
+
+
+def _synced_steps(wrapped, args, kwargs, bound, parts):
+    import mlx.core as mx
+
+    from ..cache_sync import CacheOutOfSync, CachePart
+
+    main = CachePart("main", bound.arguments["model"], parts[0])
+    draft = CachePart("draft", bound.arguments["draft_model"], parts[1])
+    tokens = [int(t) for t in mx.array(bound.arguments["prompt"]).reshape(-1).tolist()]
+    for part in (main, draft):
+        part.begin()
+    steps = wrapped(*args, **kwargs)
+    first, ended = True, False
+    try:
+        for item in steps:
+            if first:
+                first = False
+                # The loop is suspended here: journals of recurrent-rollback are attached.
+                main.find_journal()
+                draft.find_journal()
+                why = main.unmeasurable()
+                if why:
+                    raise CacheOutOfSync(
+                        "speculative decoding could not leave the supplied prompt cache holding "
+                        f"exactly the prompt and the generated tokens: the main model's cache: {why}")
+            tokens.append(int(item[0]))
+            yield item
+        ended = True
+    except GeneratorExit:
+        ended = True
+        raise
+    finally:
+        steps.close()
+        if ended:
+            _bring_parts_to(main, draft, tokens, bound.arguments.get("stream"))
+
+
+def _bring_parts_to(main, draft, tokens, stream):
+    from ..cache_sync import CacheOutOfSync
+
+    if stream is None:
+        stream = getattr(sys.modules.get(GENERATE), "generation_stream", None)
+    if draft.unmeasurable() is None:
+        try:
+            draft.bring_to(tokens, stream)
+        except CacheOutOfSync as exc:
+            log.warning("mlx-lm-patches: %s (the draft's cache only affects which tokens are "
+                        "proposed, never the output)", exc)
+    else:
+        log.debug("mlx-lm-patches: draft cache left as it is: %s", draft.unmeasurable())
+    try:
+        main.bring_to(tokens, stream)
+    except CacheOutOfSync as exc:
+        log.error("mlx-lm-patches: %s; do not reuse this prompt cache", exc)
+        raise
+
+
+class _PredictsZero:
+    """Stands in for a model: one attention cache, always predicts token 0."""
+
+    layers = [None]
+
+    def __call__(self, inputs, cache=None):
+        import mlx.core as mx
+
+        n = inputs.shape[1]
+        cache[0].update_and_fetch(mx.zeros((1, 1, n, 1)), mx.zeros((1, 1, n, 1)))
+        return mx.broadcast_to(mx.array([4.0, 0.0, 0.0, 0.0]), (1, n, 4))
+
+
+def probe():
+    import mlx.core as mx
+
+    kv_cache = sys.modules[CACHE].KVCache
+    prompt_cache = [kv_cache(), kv_cache()]
+    steps = sys.modules[GENERATE].speculative_generate_step(
+        mx.array([1, 2], mx.uint32), _PredictsZero(), _PredictsZero(),
+        num_draft_tokens=1, max_tokens=1, prompt_cache=prompt_cache,
+    )
+    yielded = len(list(steps))
+    want = 2 + yielded
+    held = [c.offset for c in prompt_cache]
+    if held == [want, want]:
+        return None
+    return (f"after speculative_generate_step the supplied prompt cache holds {held[0]} (main) and "
+            f"{held[1]} (draft) tokens, not the {want} of the prompt and the generated tokens")
+
+
+def apply(p):
+    p.wrap(f"{GENERATE}:speculative_generate_step", _sync_supplied_cache)
+
+
+def scenario():
+    """What mlx_lm.server does for a two-turn conversation with a draft model: decode turn 1
+    speculatively into a supplied prompt cache, then continue that cache with turn 2."""
+    from ..scenarios import continue_after_speculation
+    from ..testing.tiny_models import DENSE_MODEL_TYPE, available_model_types, build_tiny_model
+
+    cases = [(DENSE_MODEL_TYPE, DENSE_MODEL_TYPE)]
+    cases += [("qwen3_next", DENSE_MODEL_TYPE)] if "qwen3_next" in available_model_types() else []
+    details = []
+    for main_type, draft_type in cases:
+        model, draft = build_tiny_model(main_type, seed=1), build_tiny_model(draft_type, seed=5)
+        for stop_after in (None, 3):
+            what = (f"{main_type} with a {draft_type} draft, "
+                    + ("max_tokens reached" if stop_after is None else f"closed after {stop_after} tokens"))
+            try:
+                problem = continue_after_speculation(model, draft, stop_after=stop_after)
+            except Exception as exc:
+                return Outcome.failure(what, exc)
+            if problem:
+                return Outcome.failure(f"{what}: {problem}")
+            details.append(f"{what}: the next turn from the cache equals a cold prefill")
+    return Outcome(True, "supplied prompt caches hold exactly the prompt and the generated tokens "
+                   "after speculative decoding", details)
