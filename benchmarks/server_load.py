@@ -106,7 +106,8 @@ def main():
                 wrong = sum(1 for a in result.answers if a.error is None and
                             (a.text, a.finish_reason) != (reference(jobs[a.index]).text,
                                                           reference(jobs[a.index]).finish_reason))
-                row = dict(result.summary(), wrong=wrong, round=round_)
+                row = dict(result.summary(), wrong=wrong, round=round_,
+                           first_error=result.errors[0].error[:200] if result.errors else None)
                 print(f"  round {round_} {mode:>7}: {row}", flush=True)
                 if mode not in best or row["tokens_per_second"] > best[mode]["tokens_per_second"]:
                     best[mode] = row
@@ -123,9 +124,12 @@ def main():
     stock_works = "stock" in best and not (best["stock"]["errors"] or best["stock"]["lost"] or best["stock"]["wrong"])
     if "patched" in best and "stock" in best:
         p, s = best["patched"], best["stock"]
-        mark = "" if stock_works else "   (stock answers are wrong or failed: for information only)"
-        print(f"patched/stock: throughput {p['tokens_per_second'] / s['tokens_per_second']:.2f}x, "
-              f"p50 {p['p50_s'] / s['p50_s']:.2f}x, p95 {p['p95_s'] / s['p95_s']:.2f}x{mark}")
+        if s["errors"] or s["lost"]:
+            print(f"patched/stock: no ratio, stock fails ({s['errors']} errors; first: {s['first_error']})")
+        else:
+            mark = "" if stock_works else f"   (stock: {s['wrong']} wrong answers; for information only)"
+            print(f"patched/stock: throughput {p['tokens_per_second'] / s['tokens_per_second']:.2f}x, "
+                  f"p50 {p['p50_s'] / s['p50_s']:.2f}x, p95 {p['p95_s'] / s['p95_s']:.2f}x{mark}")
     if args.json:
         print(json.dumps({"best": best, "broken": broken, "stock_works": stock_works}))
     patched = best.get("patched")
