@@ -86,6 +86,8 @@ class CachePart:
 
     def advanced(self) -> dict:
         """Tokens taken since :meth:`begin`, per kind of layer (one value each when they agree)."""
+        if self.journal is not None:
+            self.journal.flush()  # tokens a rollback left to the next pass are re-run now
         seen = {}
         for cache, start in zip(self.attention, self._starts):
             seen.setdefault("attention", set()).add(_int_offset(cache) - start)
@@ -123,7 +125,7 @@ class CachePart:
         return target - now
 
     def _journal_pos(self) -> int:
-        return self.journal.pos if self.journal is not None else 0
+        return self.journal.position if self.journal is not None else 0
 
     def _feed(self, tokens, stream):
         import contextlib

@@ -14,8 +14,12 @@ A :class:`Journal` makes one model's cache list go back exactly:
 * ``journal.trim(cache, n)`` finds the newest kept state at or before the target position,
   restores it in every recurrent layer, trims every attention cache to the same position, and
   re-runs the tokens between that state and the target through the model's own forward: the
-  same computation a cold prefill of those tokens does, so the result equals it. A draft model
-  decodes one token per pass, so its trims land exactly on a kept state and replay nothing.
+  same computation a cold prefill of those tokens does, so the result equals it. With
+  ``fuse=True`` (the speculative loop) the re-run is fused into the next forward pass (the
+  tokens are put in front of its inputs and their outputs cut off), so a rejected draft costs no
+  extra model call; :meth:`Journal.flush` runs it on its own when the caches are looked at
+  before that (the journal is detached, ``speculative-cache-sync`` measures them). A draft model decodes one token per pass, so
+  its trims land exactly on a kept state and replay nothing.
 * The whole cache list moves as a unit, or not at all: if any layer cannot reach the target
   (no kept state that old, a sliding-window cache that already dropped the keys, a forward that
   bypassed the journal), nothing is touched and the trim reports 0 - or, for callers that ignore
@@ -140,13 +144,18 @@ class Journal:
     """Keeps one cache list able to go back exactly; see the module docstring.
 
     ``model`` is the real model (called for passes and replays); ``caches`` its prompt cache;
-    ``window`` the largest trim the caller will ask for; ``strict`` makes a refused trim raise.
+    ``window`` the largest trim the caller will ask for; ``strict`` makes a refused trim raise;
+    ``fuse`` leaves the re-run of trimmed-over tokens to the next :meth:`forward` (only for
+    callers that run every pass on these caches through the journal, as the speculative loop's
+    stand-in does).
     """
 
-    def __init__(self, model, caches, window: int, strict: bool = False, limit: Optional[int] = None):
+    def __init__(self, model, caches, window: int, strict: bool = False, limit: Optional[int] = None,
+                 fuse: bool = False):
         self.model = model
         self.window = max(int(window), 1)
         self.strict = strict
+        self.fuse = fuse  # re-run trimmed-over tokens with the next pass instead of at once
         self.limit = limit or max_snapshots()
         if self.window + 1 > self.limit:
             raise RollbackRefused(
@@ -154,8 +163,10 @@ class Journal:
                 f"recurrent states, more than {SNAPSHOTS_ENV}={self.limit}; raise that setting "
                 f"or draft fewer tokens"
             )
+        self.caches = caches
         self.recurrent = recurrent_caches(caches)
-        self.pos = 0
+        self.pos = 0  # tokens the caches hold
+        self._pending = None  # token ids [1, k] a trim went back over, re-run by the next pass
         self._snapshots: List[_Snapshot] = []
         self._after = None  # recurrent states right after the last journaled pass
         self._base = self._kv_bases(caches)
@@ -167,6 +178,7 @@ class Journal:
     # -- attaching --------------------------------------------------------------------------
     def detach(self) -> None:
         """Stop journaling: the caches go back to stock behaviour (not trimmable)."""
+        self.flush()
         with _lock:
             for cache in self.recurrent:
                 if _journals.get(cache) is self:
@@ -175,6 +187,21 @@ class Journal:
 
     def covers(self, caches) -> bool:
         return [id(c) for c in recurrent_caches(caches)] == [id(c) for c in self.recurrent]
+
+    @property
+    def position(self) -> int:
+        """Tokens the caches stand for: those they hold and those a trim will re-run."""
+        return self.pos + (0 if self._pending is None else self._pending.shape[1])
+
+    def flush(self) -> None:
+        """Re-run now the tokens the last trim went back over (normally the next forward pass
+        does it): afterwards the caches hold all :attr:`position` tokens."""
+        if self._pending is not None:
+            import mlx.core as mx
+
+            pending, self._pending = self._pending, None
+            self.forward(pending, self.caches)
+            mx.eval([c.state for c in self.caches])
 
     # -- forward passes ---------------------------------------------------------------------
     def forward(self, inputs, cache, **kwargs):
@@ -185,17 +212,28 @@ class Journal:
             isinstance(inputs, mx.array) and inputs.ndim == 2 and not kwargs and self.covers(cache)
         )
         if not journaled:
+            self.flush()
             self._forget("a forward pass the journal cannot replay (not token ids)")
             out = self.model(inputs, cache=cache, **kwargs)
             self._after = None
             return out
         if not self._consistent(cache):
+            if self._pending is not None:
+                raise RollbackRefused("the caches changed outside the journal before the tokens a "
+                                      "rollback went back over were re-run; they cannot be re-run now")
             self._rebase(cache)
+        replayed = 0
+        if self._pending is not None:
+            replayed = self._pending.shape[1]
+            inputs = mx.concatenate([self._pending.astype(inputs.dtype), inputs], axis=1)
+            self._pending = None
         self._snapshots.append(_Snapshot(self.pos, [_slots(c) for c in self.recurrent], inputs))
         out = self.model(inputs, cache=cache)
         self.pos += inputs.shape[1]
         self._after = [_slots(c) for c in self.recurrent]
         self._prune()
+        if replayed and isinstance(out, mx.array) and out.ndim >= 2 and out.shape[1] == inputs.shape[1]:
+            out = out[:, replayed:]
         return out
 
     def _prune(self):
@@ -260,13 +298,18 @@ class Journal:
         return 0 (raise :class:`RollbackRefused` if ``strict``)."""
         if n <= 0:
             return 0
-        why = self._why_not(caches, n)
+        target = self.position - n
+        if self._pending is not None and target >= self.pos and self.covers(caches):
+            keep = target - self.pos  # only tokens not re-run yet are dropped
+            self._pending = self._pending[:, :keep] if keep else None
+            return n
+        why = self._why_not(caches, self.pos - target)
         if why:
             self.refusal = why
             if self.strict:
                 raise RollbackRefused(f"cannot go back {n} tokens exactly: {why}")
             return 0
-        target = self.pos - n
+        self._pending = None
         index = max(i for i, s in enumerate(self._snapshots) if s.pos <= target)
         snap = self._snapshots[index]
         replay = self._tokens_since(index)[:, : target - snap.pos]
@@ -281,10 +324,9 @@ class Journal:
         self.pos = snap.pos
         self._after = [_slots(c) for c in self.recurrent]
         if replay.shape[1]:
-            import mlx.core as mx
-
-            self.forward(replay, caches)
-            mx.eval([c.state for c in caches])
+            self._pending = replay
+            if not self.fuse:
+                self.flush()
         return n
 
     def _tokens_since(self, index):

@@ -261,6 +261,10 @@ class MTPDraftCache:
 class MTPDraft:
     """A draft model for mlx-lm's speculative loop, backed by ``model``'s MTP head."""
 
+    # It reads the main model's hidden state at the last committed position: a rollback of the
+    # main model must re-run accepted tokens before the draft is asked (journal.py, fuse=False).
+    reads_main_model = True
+
     def __init__(self, model, hidden="post", fusion="embedding-first"):
         if hidden not in HIDDEN_KINDS:
             raise ValueError(f"hidden={hidden!r}: expected one of {HIDDEN_KINDS}")

@@ -218,3 +218,35 @@ def test_a_prompt_cache_of_the_wrong_length_is_a_clear_error():
     model, draft = _models("qwen3_next", "dense")
     with pytest.raises(ValueError, match=r"expects make_prompt_cache\(model\) \+ make_prompt_cache\(draft_model\)"):
         speculative_greedy(model, draft, prompt_tokens(5), max_tokens=3, prompt_cache=make_prompt_cache(model))
+
+
+class _Counting:
+    """A model that counts its forward passes."""
+
+    def __init__(self, model, reads_main_model=False):
+        self.model, self.calls = model, 0
+        if reads_main_model:
+            self.reads_main_model = True
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.model(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+def test_a_rejected_draft_costs_no_extra_model_call():
+    """After a rejection the accepted tokens are re-run in front of the next verify pass, not in
+    a pass of their own - unless the draft reads the main model in between (an MTP draft)."""
+    model = build_tiny_model("qwen3_next", seed=1)
+    prompt = prompt_tokens(13, seed=3)
+    reference = greedy(model, prompt, max_tokens=MAX_TOKENS)
+    counts = {}
+    for separate in (False, True):
+        main = _Counting(model)
+        draft = _Counting(build_tiny_model("qwen3_next", seed=7), reads_main_model=separate)
+        got = speculative_greedy(main, draft, prompt, max_tokens=MAX_TOKENS, num_draft_tokens=3)
+        assert reference.compare(got) is None, reference.compare(got)
+        counts[separate] = main.calls
+    assert counts[False] < counts[True], counts

@@ -24,8 +24,8 @@ Fix
     ignored. Outside that (a bare ``ArraysCache``, caches after the generator ends) nothing is
     trimmable, as in stock mlx-lm: never a reset. The loop itself stays mlx-lm's. Kept states
     are bounded by ``num_draft_tokens + 1`` tokens and ``MLX_LM_PATCHES_ROLLBACK_SNAPSHOTS``.
-    Cost: nothing on a fully accepted round; one forward pass of the accepted tokens after a
-    rejection.
+    Cost: nothing on a fully accepted round; after a rejection the accepted tokens are re-run
+    in front of the next verify pass (a longer pass, no extra model call).
 
 Affected
     Every supported release (0.28.4 - 0.32.2); the probe decides on newer ones.
@@ -87,15 +87,18 @@ def _trim_prompt_cache(wrapped, instance, args, kwargs):
 
 class _JournaledModel:
     """A model inside the speculative loop: its caches are journaled (see journal.py).
-    ``caller_caches``: the caches, when they are the caller's prompt cache (see speculative.py)."""
+    ``caller_caches``: the caches, when they are the caller's prompt cache (see speculative.py).
+    ``fuse``: accepted tokens a rollback went back over are re-run with the next pass - unless
+    the draft reads this model's state between the two (an MTP draft)."""
 
-    def __init__(self, model, caches, window, supplied=False):
+    def __init__(self, model, caches, window, supplied=False, fuse=True):
         from ..journal import Journal, has_recurrent_state
 
         self._model = model
         self._caches = caches
         self.caller_caches = caches if supplied else None
-        self.journal = Journal(model, caches, window, strict=True) if has_recurrent_state(caches) else None
+        self.journal = (Journal(model, caches, window, strict=True, fuse=fuse)
+                        if has_recurrent_state(caches) else None)
 
     def make_cache(self):
         return self._caches
@@ -123,7 +126,8 @@ def _speculative_with_rollback(wrapped, instance, args, kwargs):
     if not (has_recurrent_state(main) or has_recurrent_state(draft)):
         return wrapped(*args, **kwargs)
     window = int(bound.arguments.get("num_draft_tokens") or 2) + 1
-    views = (_JournaledModel(model, main, window, supplied),
+    fuse = not getattr(draft_model, "reads_main_model", False)
+    views = (_JournaledModel(model, main, window, supplied, fuse=fuse),
              _JournaledModel(draft_model, draft, window, supplied))
     bound.arguments.update(model=views[0], draft_model=views[1], prompt_cache=None)
     return _detach_when_done(wrapped(*bound.args, **bound.kwargs), views)
