@@ -60,11 +60,19 @@ def note_prompt_cache_created() -> None:
     _lru_seen = True
 
 
+def keeping() -> bool:
+    """Whether a prefill into a prompt cache the caller holds keeps states at the ends of its
+    passes (no extra cuts, so the passes are mlx-lm's own): unless
+    ``MLX_LM_PATCHES_PREFIX_CHECKPOINTS=0``. Such a cache may be stored in a prompt-cache store
+    later; it carries at most that many states."""
+    return max_checkpoints() > 0
+
+
 def capturing() -> bool:
-    """Whether prefills keep states: once an ``LRUPromptCache`` exists in the process (as in
+    """Whether prefills also cut passes at powers of two, and ``BatchGenerator`` prefills hybrid
+    rows one at a time to keep states: once an ``LRUPromptCache`` exists in the process (as in
     ``mlx_lm.server``), or whenever ``MLX_LM_PATCHES_PREFIX_CHECKPOINTS`` is set explicitly;
-    never with ``MLX_LM_PATCHES_PREFIX_CHECKPOINTS=0``. Without a prompt cache to reuse them
-    kept states would only cost memory."""
+    never with ``MLX_LM_PATCHES_PREFIX_CHECKPOINTS=0``."""
     import os
 
     from .env import PREFIX_CHECKPOINTS
@@ -113,10 +121,15 @@ def _same_slots(cache, slots) -> bool:
 
 
 def batch_size(cache) -> Optional[int]:
-    """Rows of a recurrent cache, from its slots (``None`` while it is empty)."""
+    """Rows of a recurrent cache: from its slots, else from its padding bookkeeping (``None``
+    while it is empty and has none)."""
     for arrays in cache.cache:
         for array in _arrays(arrays):
             return array.shape[0]
+    for name in ("left_padding", "lengths"):
+        value = getattr(cache, name, None)
+        if value is not None and getattr(value, "ndim", 0) == 1:
+            return value.shape[0]
     return None
 
 
@@ -267,13 +280,15 @@ def cut_points(start: int, end: int) -> List[int]:
 
 class Recorder:
     """Stands in for ``model`` while one sequence (a batch of one) goes through it from a known
-    history: cuts multi-token passes at :func:`cut_points`, keeps the recurrent states after
-    each, and publishes trails on the caches (:meth:`publish`, :meth:`close`). A pass it cannot
-    follow (another cache list, a batch of several rows, embeddings instead of token ids) stops
-    the recording; what was kept stays valid. Everything else is the model's own."""
+    history: cuts multi-token passes at :func:`cut_points` (``cut``), keeps the recurrent
+    states after each, and publishes trails on the caches (:meth:`publish`, :meth:`close`). A
+    pass it cannot follow (another cache list, a batch of several rows, embeddings instead of
+    token ids) stops the recording; what was kept stays valid. Everything else is the model's
+    own."""
 
-    def __init__(self, model, history: Sequence[int], limit: Optional[int] = None):
+    def __init__(self, model, history: Sequence[int], limit: Optional[int] = None, cut: bool = True):
         self._model = model
+        self.cut = cut
         self.tokens = list(history)
         self._pending = []  # token arrays of single-token passes, read when published
         self.caches = None
@@ -296,7 +311,8 @@ class Recorder:
             return self._model(inputs, cache=cache)
         self._flush()
         start, length = len(self.tokens), inputs.shape[1]
-        bounds = [p - start for p in cut_points(start, start + length)] + [length]
+        cuts = cut_points(start, start + length) if self.cut else []
+        bounds = [p - start for p in cuts] + [length]
         outputs, lo = [], 0
         for hi in bounds:
             piece = inputs[:, lo:hi]
@@ -529,8 +545,3 @@ def best_restore(entries, tokens: Sequence[int], better_than: int):
         if restored is not None:
             return restored, pos
     return None
-
-
-def describe(caches) -> str:
-    positions = [pos for pos, _, _ in checkpoints(caches)]
-    return f"{len(positions)} kept states at {positions}" if positions else "no kept states"

@@ -264,28 +264,44 @@ def test_spare_states_go_to_the_newest_positions():
     assert kept == [256, 512, 768, 1280, 1536, 1792, 2048, 2111], kept
 
 
-def test_states_are_kept_only_where_a_prompt_cache_can_use_them():
-    """Without an LRUPromptCache in the process (and the variable unset), prefills keep nothing:
-    no memory cost for users who do not reuse prompts."""
+def test_what_keeps_states_and_where():
+    """A prefill into a prompt cache the caller holds keeps states at the ends of mlx-lm's own
+    passes (no extra cuts: the computation is stock). Only once an LRUPromptCache exists (or the
+    variable is set) are passes also cut at powers of two and BatchGenerator rows prefilled one
+    at a time for it; MLX_LM_PATCHES_PREFIX_CHECKPOINTS=0 keeps nothing anywhere."""
     from conftest import run_python
 
-    ran = run_python("""
-        import mlx_lm_patches
+    code = """
+        import json, mlx_lm_patches
         mlx_lm_patches.apply()
         from mlx_lm.models.cache import make_prompt_cache
         from mlx_lm_patches import prefix_checkpoints as pc
-        from mlx_lm_patches.scenarios import greedy, prompt_tokens
+        from mlx_lm_patches.scenarios import _batched_one, greedy, lru_prompt_cache_class, prompt_tokens
         from mlx_lm_patches.testing.tiny_models import build_tiny_model
         model = build_tiny_model("qwen3_next", seed=1)
-        cache = make_prompt_cache(model)
-        greedy(model, prompt_tokens(300), max_tokens=2, prompt_cache=cache, prefill_step_size=128)
-        print(len(pc.checkpoints(cache)))
-        from mlx_lm_patches.scenarios import lru_prompt_cache_class
-        lru_prompt_cache_class()()
-        cache = make_prompt_cache(model)
-        greedy(model, prompt_tokens(300), max_tokens=2, prompt_cache=cache, prefill_step_size=128)
-        print(len(pc.checkpoints(cache)))
-    """)
+        def kept():
+            cache = make_prompt_cache(model)
+            greedy(model, prompt_tokens(300), max_tokens=2, prompt_cache=cache, prefill_step_size=128)
+            _, batched = _batched_one(model, prompt_tokens(300), None, 2, 128)
+            return [[p for p, _, _ in pc.checkpoints(c)] for c in (cache, batched)]
+        out = {"before": kept()}
+        # A cache prefilled before any store existed, stored afterwards: still reusable.
+        shared = prompt_tokens(600, seed=5)
+        a, b = shared + prompt_tokens(9, seed=6), shared + prompt_tokens(7, seed=8)
+        early = make_prompt_cache(model)
+        first = greedy(model, a, max_tokens=3, prompt_cache=early, prefill_step_size=256)
+        store = lru_prompt_cache_class()()
+        store.insert_cache("m", a + first.tokens, early)
+        fetched, rest = store.fetch_nearest_cache("m", b)
+        warm = greedy(model, list(rest), max_tokens=3, prompt_cache=fetched or make_prompt_cache(model))
+        out["late store"] = [len(b) - len(rest), greedy(model, b, max_tokens=3).compare(warm)]
+        out["after"] = kept()
+        print(json.dumps(out))
+    """
+    ran = run_python(code)
     assert ran.returncode == 0, ran.stderr[-2000:]
-    before, after = map(int, ran.stdout.split())
-    assert before == 0 and after >= 3, ran.stdout
+    assert ran.json() == {"before": [[128, 256, 299], []], "late store": [512, None],
+                          "after": [[32, 64, 128, 256, 299], [32, 64, 128, 256, 299]]}, ran.stdout
+    ran = run_python(code, env={"MLX_LM_PATCHES_PREFIX_CHECKPOINTS": "0"})
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    assert ran.json() == {"before": [[], []], "late store": [0, None], "after": [[], []]}, ran.stdout

@@ -14,12 +14,13 @@ Bug
 
 Fix
     Keep exact recurrent states at positions of the prefill and reuse only those
-    (``mlx_lm_patches/prefix_checkpoints.py``). While an ``LRUPromptCache`` exists in the
-    process (or ``MLX_LM_PATCHES_PREFIX_CHECKPOINTS`` is set), single-sequence prefill
-    (``generate_step``, the per-row prefill of hybrid rows in ``BatchGenerator``) runs through a
-    recorder that cuts the passes also at powers of two and keeps the recurrent states after
-    each pass, by reference, bounded per sequence (default 8, thinned so that a kept state lies
-    within a factor of two of any position). The kept states travel with the caches through
+    (``mlx_lm_patches/prefix_checkpoints.py``). A prefill into a prompt cache the caller holds
+    (``generate_step(..., prompt_cache=...)``) runs through a recorder that keeps the recurrent
+    states after each prefill pass, by reference, bounded per sequence (default 8, thinned so
+    that a kept state lies within a factor of two of any position). While an ``LRUPromptCache``
+    exists in the process (or ``MLX_LM_PATCHES_PREFIX_CHECKPOINTS`` is set), the recorder also
+    cuts the passes at powers of two, and ``BatchGenerator`` prefills hybrid rows one at a time
+    through it. The kept states travel with the caches through
     mlx-lm's own merge/extend/filter/extract/deepcopy and are stored with the entry by
     ``insert_cache`` (only those computed from a prefix of the entry's tokens; their bytes count
     in ``ArraysCache.nbytes`` and so in the LRU's byte limit). ``fetch_nearest_cache`` first asks
@@ -68,7 +69,7 @@ def _generate_step(wrapped, instance, args, kwargs):
     from ..journal import has_recurrent_state
     from ..speculative import bind_arguments
 
-    if not pc.capturing():
+    if not pc.keeping():
         return wrapped(*args, **kwargs)
     bound = bind_arguments(wrapped, args, kwargs)
     cache = bound.arguments.get("prompt_cache")
@@ -78,7 +79,7 @@ def _generate_step(wrapped, instance, args, kwargs):
     history = pc.exact_history(cache)
     if history is None:
         return wrapped(*args, **kwargs)
-    recorder = pc.Recorder(bound.arguments["model"], history)
+    recorder = pc.Recorder(bound.arguments["model"], history, cut=pc.capturing())
     bound.arguments["model"] = recorder
     return _closing(wrapped(*bound.args, **bound.kwargs), recorder)
 
