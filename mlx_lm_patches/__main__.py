@@ -106,7 +106,8 @@ def render_table(the_matrix) -> str:
     for spec in the_matrix.patches:
         about = "" if spec.package == "mlx-lm" else f"{spec.package} "
         fixed = f"{about}{spec.fixed_in}" if spec.fixed_in else "not yet"
-        lines.append(f"| `{spec.id}` | {spec.summary} | {about}`{spec.affected}` | {fixed} |")
+        needs = "".join(f" with {name} `{specifier}`" for name, specifier in spec.requires)
+        lines.append(f"| `{spec.id}` | {spec.summary} | {about}`{spec.affected}`{needs} | {fixed} |")
     return "\n".join(lines)
 
 

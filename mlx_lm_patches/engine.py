@@ -183,6 +183,10 @@ class Engine:
                         f"{package} {dist.describe()} is outside {rec.spec.affected}{fixed}",
                     )
                     continue
+                unmet = rec.spec.unmet_requirement(self.installed)
+                if unmet:
+                    self._set(rec, State.SKIPPED_VERSION, unmet)
+                    continue
                 self._set(rec, State.PENDING, f"waiting for import of {rec.spec.anchor}")
                 self._hook(rec.spec.anchor, lambda module, rec=rec: self._decide(rec))
                 to_import.append(rec.spec.anchor)
@@ -305,7 +309,7 @@ class Engine:
         return PatchStatus(
             id=spec.id,
             summary=spec.summary,
-            affected=str(spec.affected),
+            affected=str(spec.affected) + "".join(f" with {n} {v}" for n, v in spec.requires),
             fixed_in=str(spec.fixed_in) if spec.fixed_in else None,
             state=state,
             detail=detail,

@@ -38,6 +38,8 @@ class PatchSpec:
     probe: str
     metal_note: Optional[str] = None
     package: str = MLX_LM  # the distribution whose version ``affected`` is about
+    # further distributions the bug needs, e.g. (("mlx", SpecifierSet(">=0.32.0")),)
+    requires: Tuple[Tuple[str, SpecifierSet], ...] = ()
 
     @property
     def module_name(self) -> str:
@@ -56,6 +58,15 @@ class PatchSpec:
 
     def affects(self, version: Version) -> bool:
         return self.affected.contains(version, prereleases=True)
+
+    def unmet_requirement(self, installed) -> Optional[str]:
+        """Why a further distribution the bug needs rules it out (``installed(name)`` gives an
+        installed distribution), or ``None`` when every requirement holds."""
+        for name, specifier in self.requires:
+            dist = installed(name)
+            if dist.parsed is None or not specifier.contains(dist.parsed, prereleases=True):
+                return f"{name} {dist.describe()} is outside {specifier}, which the bug needs"
+        return None
 
 
 @dataclass(frozen=True)
@@ -159,7 +170,7 @@ def _tested(row, where) -> TestedVersion:
 
 
 _PATCH_KEYS = {"id", "summary", "affected", "fixed_in", "upstream", "targets", "probe"}
-_OPTIONAL_KEYS = {"metal_note", "package"}
+_OPTIONAL_KEYS = {"metal_note", "package", "requires"}
 
 
 def _patch(row, where) -> PatchSpec:
@@ -193,6 +204,10 @@ def _patch(row, where) -> PatchSpec:
             fixed_in = Version(str(fixed_in))
         except InvalidVersion:
             raise MatrixError(f"{where}: fixed_in={fixed_in!r} is not a version") from None
+    requires = row.get("requires") or {}
+    if not isinstance(requires, dict) or not all(_DISTRIBUTION.match(str(n)) for n in requires):
+        raise MatrixError(f"{where}: requires must map distribution names to version specifiers; got {requires!r}")
+    requires = tuple((str(n), _specifier(v, f"{where}: requires {n}")) for n, v in requires.items())
     affected = _specifier(row["affected"], f"{where}: affected")
     if fixed_in is not None and affected.contains(fixed_in, prereleases=True):
         raise MatrixError(f"{where}: fixed_in {fixed_in} lies inside affected {affected}")
@@ -206,4 +221,5 @@ def _patch(row, where) -> PatchSpec:
         probe=str(row["probe"]),
         metal_note=row.get("metal_note"),
         package=package,
+        requires=requires,
     )

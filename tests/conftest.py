@@ -77,7 +77,7 @@ def affected(patch_id):
 
     spec = matrix.load().get(patch_id)
     version = versions.installed(spec.package).parsed
-    return version is not None and spec.affects(version)
+    return version is not None and spec.affects(version) and spec.unmet_requirement(versions.installed) is None
 
 
 def xfail_if_affected(patch_id, reason=""):

@@ -431,3 +431,48 @@ def test_explicit_request_imports_the_anchors_of_pending_patches(fake):
     assert fake.state("trim-fix") is State.PENDING
     fake.engine.request(["trim-fix"])
     assert fake.state("trim-fix") is State.APPLIED
+
+
+def test_a_bug_that_needs_another_distribution_is_gated_on_it_too(tmp_path, monkeypatch):
+    """``requires: {dist: spec}``: the bug needs that distribution in that range as well (e.g. an
+    mlx-lm release only breaks with a newer mlx). Missing or outside -> skipped:version saying
+    why; inside -> decided as usual; status shows the requirement beside the range."""
+    fake = Fake(tmp_path, monkeypatch)
+    other = f"fakemlx{next(_counter)}"
+    (tmp_path / fake.pkg / "needs_other.py").write_text(textwrap.dedent(f"""
+        def probe():
+            return "bug seen"
+
+        def apply(p):
+            p.wrap("{fake.lib}.extra:thing", lambda wrapped, instance, args, kwargs: "fixed")
+    """))
+    path = tmp_path / "requires.yaml"
+    path.write_text(textwrap.dedent(f"""
+        schema: 1
+        supported: ">=0.1"
+        tested_versions:
+          - {{mlx_lm: "0.1", mlx: "1.0", python: "3.12"}}
+        patches:
+          - {{id: needs-other, summary: s, affected: "<1.0", requires: {{{other}: ">=2.0"}}, fixed_in: null, upstream: [], targets: ["{fake.lib}.extra:thing"], probe: p}}
+    """))
+    the_matrix = matrix.load(str(path))
+    assert [(n, str(s)) for n, s in the_matrix.get("needs-other").requires] == [(other, ">=2.0")]
+
+    def engine_with(version):
+        dist = versions.InstalledDist(other, version, "release" if version else "missing")
+        return Engine(the_matrix, patch_package=fake.pkg, installed=versions.InstalledDist(fake.lib, "0.1"),
+                      packages={other: dist})
+
+    for version, detail in ((None, f"{other} not installed is outside >=2.0, which the bug needs"),
+                            ("1.5", f"{other} 1.5 is outside >=2.0")):
+        eng = engine_with(version)
+        eng.request(["needs-other"], import_anchors=False)
+        assert eng.records["needs-other"].state is State.SKIPPED_VERSION
+        assert detail in eng.row("needs-other").detail
+    eng = engine_with("2.1")
+    eng.request(["needs-other"])
+    assert eng.records["needs-other"].state is State.APPLIED
+    assert sys.modules[f"{fake.lib}.extra"].thing() == "fixed"
+    assert eng.row("needs-other").affected == f"<1.0 with {other} >=2.0"
+    eng.revert(["needs-other"])
+    assert sys.modules[f"{fake.lib}.extra"].thing() == "original"
