@@ -452,30 +452,30 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 def settle(caches, key: Sequence[int]) -> None:
     """A cache list about to be stored under ``key``: keep only the states computed from a
     prefix of ``key``, at most the configured number, as one trail per recurrent cache."""
-    leaves = recurrent_caches(caches)
-    if not leaves:
-        return
-    key = tuple(key)
-    usable = [(pos, states) for pos, tokens, states in checkpoints(caches)
-              if pos <= len(key) and tuple(tokens[:pos]) == key[:pos]]
-    usable = thin(usable, max_checkpoints())
-    for j, leaf in enumerate(leaves):
-        marks = tuple((pos, states[j]) for pos, states in usable)
-        set_trails(leaf, [Trail(key, marks, None)] if marks else None)
+    _restate(caches, key, exact=False)
 
 
 def mark_exact(caches, tokens: Sequence[int]) -> None:
     """``caches`` hold exactly ``tokens`` (e.g. a prompt cache just fetched for them): record
     that, keeping the states computed from a prefix of ``tokens``."""
+    _restate(caches, tokens, exact=True)
+
+
+def _restate(caches, tokens, exact):
     leaves = recurrent_caches(caches)
     if not leaves:
         return
     tokens = tuple(tokens)
     usable = [(pos, states) for pos, seen, states in checkpoints(caches)
               if pos <= len(tokens) and tuple(seen[:pos]) == tokens[:pos]]
+    if not exact:
+        usable = thin(usable, max_checkpoints())
     for j, leaf in enumerate(leaves):
         marks = tuple((pos, states[j]) for pos, states in usable)
-        set_trails(leaf, [Trail(tokens, marks, _slots(leaf))])
+        if exact:
+            set_trails(leaf, [Trail(tokens, marks, _slots(leaf))])
+        else:
+            set_trails(leaf, [Trail(tokens, marks, None)] if marks else None)
 
 
 def restored_copy(caches, key: Sequence[int], position: int, states, kept) -> Optional[list]:

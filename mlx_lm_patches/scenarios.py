@@ -236,11 +236,17 @@ def batching_situations(model, model_type) -> Optional[str]:
     reference = [greedy(model, p) for p in prompts]
     caches, rest = split_prefilled(model, prompts, (3, 6, 4))
     situations = {
-        "different lengths": lambda: batched_greedy(model, prompts),
-        "inserted while decoding": lambda: batched_greedy(model, prompts[:2], late_prompts=prompts[2:]),
-        "pre-filled prompt caches": lambda: batched_greedy(model, rest, caches=caches),
+        "different lengths": (lambda: batched_greedy(model, prompts), reference),
+        "inserted while decoding": (lambda: batched_greedy(model, prompts[:2], late_prompts=prompts[2:]), reference),
+        "pre-filled prompt caches": (lambda: batched_greedy(model, rest, caches=caches), reference),
     }
-    for name, run in situations.items():
+    return first_problem(model_type, situations)
+
+
+def first_problem(model_type, situations) -> Optional[str]:
+    """Run each situation (``name -> (run, references)``; ``run()`` returns one :class:`Decoded`
+    per reference) and say what first differs from its reference, or ``None``."""
+    for name, (run, reference) in situations.items():
         try:
             got = run()
         except Exception as exc:

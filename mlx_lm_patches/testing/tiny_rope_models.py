@@ -116,7 +116,7 @@ def batching_check(model, model_type) -> Optional[str]:
     once, one inserted while the others decode, and continued from prompt caches holding their
     first 3/6/4 tokens - each row against single-sequence greedy decoding through the same forward
     passes. ``None`` if every row is exact, else what differs."""
-    from ..scenarios import batched_greedy, greedy, prompt_tokens, split_prefilled
+    from ..scenarios import batched_greedy, first_problem, greedy, prompt_tokens, split_prefilled
 
     prompts = [prompt_tokens(n, seed=n) for n in (5, 9, 13)]
     splits = (3, 6, 4)
@@ -129,16 +129,7 @@ def batching_check(model, model_type) -> Optional[str]:
         "inserted while decoding": (lambda: batched_greedy(model, prompts[:2], late_prompts=prompts[2:]), cold),
         "pre-filled prompt caches": (lambda: batched_greedy(model, rest, caches=caches), continued),
     }
-    for name, (run, reference) in situations.items():
-        try:
-            got = run()
-        except Exception as exc:
-            return f"{model_type}, {name}: {type(exc).__name__}: {exc}"
-        for i, (ref, decoded) in enumerate(zip(reference, got)):
-            problem = ref.compare(decoded)
-            if problem:
-                return f"{model_type}, {name}, prompt {i}: {problem}"
-    return None
+    return first_problem(model_type, situations)
 
 
 def scenario_outcome(pid: str, label: str):
