@@ -11,8 +11,8 @@ configuration serves all its tests; ``max_tokens`` stays small.
 Release differences handled here (each checked in the installed sources):
 
 * token ids and log-probabilities of a non-streamed answer: ``logprobs.tokens`` /
-  ``logprobs.token_logprobs`` by default before 0.31.1; ``logprobs.content[i].id`` /
-  ``.logprob`` with ``logprobs: true`` from 0.31.1 (before, ``logprobs`` is an int and any
+  ``logprobs.token_logprobs`` by default before 0.30.6; ``logprobs.content[i].id`` /
+  ``.logprob`` with ``logprobs: true`` from 0.30.6 (before, ``logprobs`` is an int and any
   value > 0 makes the request unbatchable);
 * ``usage.prompt_tokens_details.cached_tokens`` from 0.31.1;
 * 0.28.4 sends requests with the default ``repetition_penalty`` (1.0) down the one-at-a-time
@@ -115,7 +115,7 @@ def _messages(question, system=True, history=()):
 def _extra(batchable=False):
     """Request fields beyond the OpenAI ones: token ids in the answer, and batchability on 0.28.4."""
     extra = {}
-    if _at_least("0.31.1"):
+    if _at_least("0.30.6"):
         extra["logprobs"] = True  # id + logprob per token; does not affect batching
     if batchable:
         extra["repetition_penalty"] = 0
