@@ -113,12 +113,21 @@ def test_mixed_per_layer_quantization_round_trips(mixed, family):
 def test_mixed_quantization_mtp_speculation_equals_greedy(mixed, family):
     """The head's own draft, and the same draft with the true token hinted for two targets in
     three (so rounds accept drafts: ``testing/mtp_drafts.py``), give the greedy output."""
+    try:
+        _mixed_speculation(mixed[family][1])
+    except TypeError as exc:  # mlx-lm's own quantized MoE layers cannot run with this mlx
+        if "gather_qmm" in str(exc) and "global_scale" in str(exc):
+            pytest.skip("stock mlx-lm's quantized MoE layers call mx.gather_qmm(global_scale=...), which "
+                        "this mlx lacks (mlx-lm 0.32.2 with mlx 0.32.2; fine with mlx 0.32.4)")
+        raise
+
+
+def _mixed_speculation(model):
     import mlx.core as mx
     from mlx_lm.generate import speculative_generate_step
 
     from mlx_lm_patches.testing.mtp_drafts import hinted_draft
 
-    model = mixed[family][1]
     prompt = prompt_tokens(15, seed=6)
     reference = greedy(model, prompt, max_tokens=12)
     got = speculative_greedy(model, model.make_draft_model(), prompt, max_tokens=12, num_draft_tokens=2)
