@@ -73,7 +73,9 @@ def compare(model, share, args):
             t_spec = min(t_spec, t)
         flags = [d for _, _, d in speculative_generate_step(mx.array(prompt), model, draft,
                                                             num_draft_tokens=num_draft, max_tokens=args.tokens)]
-        rounds = len(flags) - sum(flags)
+        # a round ends with the main model's own token; a last round cut by max_tokens may end
+        # on an accepted draft token instead
+        rounds = len(flags) - sum(flags) + (1 if flags and flags[-1] else 0)
         a = sum(flags) / max(rounds * num_draft, 1)  # accepted / drafted
         print(f"{share:>6.0%} {num_draft:>5} {a:>9.0%} {args.tokens / t_ref:>13.1f} {args.tokens / t_spec:>11.1f} "
               f"{t_ref / t_spec:>6.2f}x {(1 + a) / (2 - a):>7.2f}x  {'yes' if ref.compare(got) is None else 'NO'}")
