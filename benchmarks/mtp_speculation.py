@@ -32,27 +32,15 @@ def _timed(fn, repeats):
 
 def oracle_mixed_draft(model, reference, share):
     """The model's MTP draft, except that a share of its proposals is the true next token."""
-    import mlx.core as mx
+    from mlx_lm_patches.testing.mtp_drafts import hinted_draft
 
-    from mlx_lm_patches.mtp_decoding import MTPDraft
+    calls = [0]
 
-    class Mixed(MTPDraft):
-        calls = 0
+    def hint(target):  # every 1/share-th proposal, spread evenly
+        calls[0] += 1
+        return (calls[0] * share) % 1 + share >= 1
 
-        def __call__(self, inputs, cache=None, **kwargs):
-            state = cache[0]
-            committed = self.capture.committed(state.since)
-            step = 0 if state.round_of != committed else state.step + 1
-            logits = super().__call__(inputs, cache=cache, **kwargs)
-            state.step = step
-            Mixed.calls += 1
-            target = (committed or 0) + 1 + step
-            if committed and target < len(reference) and (Mixed.calls * share) % 1 + share >= 1:
-                hint = mx.zeros(logits.shape[-1]).at[reference[target]].add(1e4)
-                logits = mx.concatenate([logits[:, :-1], logits[:, -1:] + hint], axis=1)
-            return logits
-
-    return Mixed(model)
+    return hinted_draft(model, reference, hint=hint)
 
 
 def compare(model, share, args):
