@@ -25,6 +25,17 @@ import re
 _PER_EXPERT = re.compile(r"^(layers\.\d+\.(?:mlp|mixer))\.experts\.(\d+)\.(\w+_proj)\.(weight|scales|biases)$")
 
 
+def _set_aside_expert(key, value, experts) -> bool:
+    """Collect a per-expert tensor into ``experts[(prefix, proj, leaf)][index]`` (for
+    ``_stack_experts``); False if ``key`` is not one."""
+    per_expert = _PER_EXPERT.match(key)
+    if not per_expert:
+        return False
+    prefix, index, proj, leaf = per_expert.groups()
+    experts.setdefault((prefix, proj, leaf), {})[int(index)] = value
+    return True
+
+
 class HeadUnsupported(ValueError):
     """The checkpoint's head cannot be built with this mlx-lm; the message says why."""
 
@@ -77,10 +88,7 @@ class Qwen:
 
         out, experts = {}, {}
         for key, value in tensors.items():
-            per_expert = _PER_EXPERT.match(key)
-            if per_expert:
-                prefix, index, proj, leaf = per_expert.groups()
-                experts.setdefault((prefix, proj, leaf), {})[int(index)] = value
+            if _set_aside_expert(key, value, experts):
                 continue
             fused = self._FUSED.match(key)
             if fused:
@@ -183,11 +191,7 @@ class NemotronH:
     def convert(self, tensors):
         out, experts = {}, {}
         for key, value in tensors.items():
-            per_expert = _PER_EXPERT.match(key)
-            if per_expert:
-                prefix, index, proj, leaf = per_expert.groups()
-                experts.setdefault((prefix, proj, leaf), {})[int(index)] = value
-            else:
+            if not _set_aside_expert(key, value, experts):
                 out[key] = value
         return _stack_experts(out, experts, rename={"up_proj": "fc1", "down_proj": "fc2"})
 
