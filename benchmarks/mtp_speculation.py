@@ -19,6 +19,11 @@ Run by hand; tests never assert on speed.
 import argparse
 import tempfile
 import time
+import sys
+from pathlib import Path
+
+# test-only support (the mlx_lm.server harness, hinted drafts) lives in tests/support
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 
 def _timed(fn, repeats):
@@ -32,7 +37,7 @@ def _timed(fn, repeats):
 
 def oracle_mixed_draft(model, reference, share):
     """The model's MTP draft, except that a share of its proposals is the true next token."""
-    from mlx_lm_patches.testing.mtp_drafts import hinted_draft
+    from support.mtp_drafts import hinted_draft
 
     calls = [0]
 
@@ -47,7 +52,7 @@ def compare(model, share, args):
     import mlx.core as mx
     from mlx_lm.generate import speculative_generate_step
 
-    from mlx_lm_patches.scenarios import greedy, prompt_tokens, speculative_greedy
+    from mlx_lm_patches.demos.scenarios import greedy, prompt_tokens, speculative_greedy
 
     prompt = prompt_tokens(32, seed=5)
     ref = greedy(model, prompt, max_tokens=args.tokens)
@@ -73,8 +78,8 @@ def cost_split(model, args):
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
-    from mlx_lm_patches.journal import Journal
-    from mlx_lm_patches.scenarios import prompt_tokens
+    from mlx_lm_patches.mechanisms.journal import Journal
+    from mlx_lm_patches.demos.scenarios import prompt_tokens
 
     prompt = prompt_tokens(256, seed=7)
     draft = model.make_draft_model()
@@ -145,8 +150,8 @@ def main():
     mlx_lm_patches.apply()
     from mlx_lm import load
 
-    from mlx_lm_patches import versions
-    from mlx_lm_patches.testing.mtp_checkpoints import write_mtp_checkpoint
+    from mlx_lm_patches.engine import versions
+    from mlx_lm_patches.demos.mtp_checkpoints import write_mtp_checkpoint
 
     with tempfile.TemporaryDirectory() as tmp:
         model, _ = load(str(write_mtp_checkpoint(tmp, args.model_type, dtype="float32").folder))

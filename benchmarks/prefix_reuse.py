@@ -31,7 +31,7 @@ def _model(hidden, layers):
     import mlx.core as mx
     from mlx_lm.models.qwen3_next import Model, ModelArgs
 
-    from mlx_lm_patches.testing.tiny_models import tiny_config
+    from mlx_lm_patches.demos.tiny_models import tiny_config
 
     config = dict(tiny_config("qwen3_next"), hidden_size=hidden, intermediate_size=2 * hidden,
                   num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=2,
@@ -60,7 +60,7 @@ def _first_tokens(model, prompt, cache, step, n=4):
 def time_to_first_token(model, args):
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlx_lm_patches.scenarios import lru_prompt_cache_class, prompt_tokens
+    from mlx_lm_patches.demos.scenarios import lru_prompt_cache_class, prompt_tokens
 
     shared = prompt_tokens(args.shared, vocab=256, seed=5)
     a = shared + prompt_tokens(args.tail, seed=6)
@@ -91,8 +91,8 @@ def time_to_first_token(model, args):
 def bytes_per_checkpoint(model):
     from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
-    from mlx_lm_patches import prefix_checkpoints as pc
-    from mlx_lm_patches.scenarios import lru_prompt_cache_class, prompt_tokens
+    from mlx_lm_patches.mechanisms import prefix_reuse as pc
+    from mlx_lm_patches.demos.scenarios import lru_prompt_cache_class, prompt_tokens
 
     print("\n2. bytes kept per recurrent layer per checkpoint")
     lru_prompt_cache_class()()  # states are kept while a prompt cache exists
@@ -107,7 +107,7 @@ def bytes_per_checkpoint(model):
     import mlx.core as mx
     from mlx_lm.models.qwen3_next import ModelArgs, Qwen3NextGatedDeltaNet
 
-    from mlx_lm_patches.testing.tiny_models import tiny_config
+    from mlx_lm_patches.demos.tiny_models import tiny_config
 
     real = dict(tiny_config("qwen3_next"), hidden_size=2048, linear_num_value_heads=32,
                 linear_num_key_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,

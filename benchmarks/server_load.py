@@ -8,7 +8,7 @@ installed package (patches on) and for ``MLX_LM_PATCHES=0`` (stock mlx-lm), star
 ``python -m mlx_lm.server`` on 127.0.0.1, warms it up and sends the same requests with the
 ``openai`` client from ``--concurrency`` threads: shared system prompts, a shared document that
 diverges in the last user message, second turns carrying a first turn's answer, and repeats
-(``mlx_lm_patches.testing.server_load.workload``); a third are streamed. Each answer is compared
+(``support.server_load.workload``); a third are streamed. Each answer is compared
 with its sequential cold reference (greedy, single sequence, computed in this process).
 
 Reported per mode: errors, lost requests, answers differing from the reference, completion
@@ -26,6 +26,10 @@ import json
 import os
 import sys
 import tempfile
+from pathlib import Path
+
+# test-only support (the mlx_lm.server harness, hinted drafts) lives in tests/support
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 
 def main():
@@ -48,13 +52,13 @@ def main():
     from mlx_lm import load
     from packaging.version import Version
 
-    from mlx_lm_patches import env as ours
-    from mlx_lm_patches import versions
-    from mlx_lm_patches.testing.chat_reference import chat_reference
-    from mlx_lm_patches.testing.model_folder import write_model_folder
-    from mlx_lm_patches.testing.server import ServerExited, serve
-    from mlx_lm_patches.testing.server_load import run_load, workload
-    from mlx_lm_patches.testing.tiny_models import build_tiny_model, tiny_config
+    from mlx_lm_patches.engine import env as ours
+    from mlx_lm_patches.engine import versions
+    from support.chat_reference import chat_reference
+    from mlx_lm_patches.demos.model_folder import write_model_folder
+    from support.server import ServerExited, serve
+    from support.server_load import run_load, workload
+    from mlx_lm_patches.demos.tiny_models import build_tiny_model, tiny_config
 
     version = versions.mlx_lm().parsed
     extra = {}

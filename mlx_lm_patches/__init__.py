@@ -16,7 +16,7 @@ __all__ = ["apply", "revert", "status", "PatchError", "PatchStatus", "State", "_
 
 def __getattr__(name):
     if name in ("apply", "revert", "status", "PatchError", "PatchStatus", "State"):
-        from . import engine
+        from mlx_lm_patches.engine import core as engine
 
         return getattr(engine, name)
     raise AttributeError(f"module 'mlx_lm_patches' has no attribute {name!r}")

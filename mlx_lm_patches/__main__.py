@@ -16,7 +16,7 @@ import sys
 
 
 def _status(args) -> int:
-    from . import engine
+    from mlx_lm_patches.engine import core as engine
 
     try:
         import mlx_lm  # noqa: F401  - triggers automatic activation, like a user's import
@@ -59,7 +59,7 @@ def armed_by():
 
 
 def _why_inactive(armed_by) -> str:
-    from . import env
+    from mlx_lm_patches.engine import env
 
     try:
         enabled = env.flag(env.ENABLED, default=True)
@@ -73,7 +73,7 @@ def _why_inactive(armed_by) -> str:
 
 
 def _version() -> str:
-    from . import __version__
+    from mlx_lm_patches import __version__
 
     return __version__
 
@@ -84,7 +84,7 @@ def _check(args) -> int:
     # Everything check runs is built locally; stock mlx-lm must not reach for the hub either
     # (e.g. load("mtp") on a release without the MTP selection).
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from . import check
+    from mlx_lm_patches.engine import check
 
     results = check.run_check(args.ids or None)
     print(check.format_report(results))
@@ -92,7 +92,7 @@ def _check(args) -> int:
 
 
 def _table(args) -> int:
-    from . import matrix
+    from mlx_lm_patches.engine import matrix
 
     print(render_table(matrix.load()))
     return 0
@@ -112,7 +112,7 @@ def render_table(the_matrix) -> str:
 
 
 def _run(args) -> int:
-    from . import engine
+    from mlx_lm_patches.engine import core as engine
 
     if not args.target:
         print("run: give -m MODULE or a script path", file=sys.stderr)

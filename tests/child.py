@@ -6,8 +6,8 @@ checks after revert, and the no-double-wrapping invariant.
 
 import sys
 
-from mlx_lm_patches import matrix
-from mlx_lm_patches.patching import MISSING, TAG, installed_by, owner_of
+from mlx_lm_patches.engine import matrix
+from mlx_lm_patches.engine.patching import MISSING, TAG, installed_by, owner_of
 
 
 def _targets():

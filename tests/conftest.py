@@ -33,7 +33,7 @@ class Ran:
 
 def clean_env(**overrides):
     """The current environment without our variables, plus ``overrides`` (None removes)."""
-    from mlx_lm_patches import env as ours
+    from mlx_lm_patches.engine import env as ours
 
     environ = {k: v for k, v in os.environ.items() if k not in ours.ALL_VARIABLES}
     environ.pop("PYTHONPATH", None)
@@ -58,14 +58,14 @@ def run_python(code="", *args, env=None, timeout=300, python=None, cwd=None):
 
 @pytest.fixture(scope="session")
 def the_matrix():
-    from mlx_lm_patches import matrix
+    from mlx_lm_patches.engine import matrix
 
     return matrix.load()
 
 
 @pytest.fixture(scope="session")
 def mlx_lm_version():
-    from mlx_lm_patches import versions
+    from mlx_lm_patches.engine import versions
 
     return versions.mlx_lm().parsed
 
@@ -73,7 +73,8 @@ def mlx_lm_version():
 def affected(patch_id):
     """Whether compat_matrix.yaml says the installed mlx-lm (or the distribution the patch names
     as its ``package``) has the bug ``patch_id`` fixes; never where that distribution is missing."""
-    from mlx_lm_patches import matrix, versions
+    from mlx_lm_patches.engine import matrix
+    from mlx_lm_patches.engine import versions
 
     spec = matrix.load().get(patch_id)
     version = versions.installed(spec.package).parsed
@@ -83,7 +84,7 @@ def affected(patch_id):
 def xfail_if_affected(patch_id, reason=""):
     """Strict xfail where the matrix says affected: an upstream fix makes the test XPASS,
     which fails the run and forces the range in compat_matrix.yaml to be narrowed."""
-    from mlx_lm_patches import matrix
+    from mlx_lm_patches.engine import matrix
 
     package = matrix.load().get(patch_id).package
     return pytest.mark.xfail(
@@ -94,13 +95,13 @@ def xfail_if_affected(patch_id, reason=""):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
-    """A failing test that used a running ``mlx_lm.server`` (``testing.server.Server``) shows the
+    """A failing test that used a running ``mlx_lm.server`` (``support.server.Server``) shows the
     end of the server's log in its report."""
     outcome = yield
     report = outcome.get_result()
     if not report.failed:
         return
-    from mlx_lm_patches.testing.server import Server
+    from support.server import Server
 
     for name, value in getattr(item, "funcargs", {}).items():
         if isinstance(value, Server):

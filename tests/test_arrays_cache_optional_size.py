@@ -6,8 +6,8 @@ import pytest
 
 import mlx_lm_patches
 from mlx_lm_patches.patches.arrays_cache_optional_size import AutoSizedSlots
-from mlx_lm_patches.scenarios import greedy, prefill, prompt_tokens, round_trip_prompt_cache
-from mlx_lm_patches.testing.tiny_models import available_model_types, build_tiny_model
+from mlx_lm_patches.demos.scenarios import greedy, prefill, prompt_tokens, round_trip_prompt_cache
+from mlx_lm_patches.demos.tiny_models import available_model_types, build_tiny_model
 
 mlx_lm_patches.apply()
 

@@ -19,10 +19,10 @@ import time
 import pytest
 
 from conftest import clean_env
-from mlx_lm_patches.testing.chat_reference import chat_prompt, chat_reference, token_reference
-from mlx_lm_patches.testing.model_folder import write_model_folder
-from mlx_lm_patches.testing.server import ServerExited, serve
-from mlx_lm_patches.testing.tiny_models import DENSE_MODEL_TYPE, build_tiny_model, tiny_config
+from support.chat_reference import chat_prompt, chat_reference, token_reference
+from mlx_lm_patches.demos.model_folder import write_model_folder
+from support.server import ServerExited, serve
+from mlx_lm_patches.demos.tiny_models import DENSE_MODEL_TYPE, build_tiny_model, tiny_config
 
 pytestmark = pytest.mark.subprocess
 

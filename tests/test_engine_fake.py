@@ -11,10 +11,11 @@ import threading
 
 import pytest
 
-from mlx_lm_patches import engine as engine_mod
-from mlx_lm_patches import matrix, versions
-from mlx_lm_patches.engine import Engine, PatchError, State
-from mlx_lm_patches.patching import installed_by
+from mlx_lm_patches.engine import core as engine_mod
+from mlx_lm_patches.engine import matrix
+from mlx_lm_patches.engine import versions
+from mlx_lm_patches.engine.core import Engine, PatchError, State
+from mlx_lm_patches.engine.patching import installed_by
 
 _counter = itertools.count()
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from mlx_lm_patches import env
+from mlx_lm_patches.engine import env
 
 
 @pytest.mark.parametrize("raw,expected", [

@@ -7,8 +7,8 @@ import pytest
 import mlx_lm_patches
 from conftest import run_python, xfail_if_affected
 from mlx_lm_patches.patches import mamba_cache_compat as patch
-from mlx_lm_patches.scenarios import greedy, prompt_tokens
-from mlx_lm_patches.testing.tiny_models import available_model_types, build_tiny_model
+from mlx_lm_patches.demos.scenarios import greedy, prompt_tokens
+from mlx_lm_patches.demos.tiny_models import available_model_types, build_tiny_model
 
 mlx_lm_patches.apply()
 

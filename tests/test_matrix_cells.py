@@ -10,7 +10,7 @@ import pytest
 
 import mlx_lm_patches
 from conftest import affected, run_python, xfail_if_affected
-from mlx_lm_patches import matrix
+from mlx_lm_patches.engine import matrix
 
 IDS = matrix.load().ids()
 
@@ -28,7 +28,7 @@ def stock_outcomes():
 
     ran = run_python(f"""
         import importlib, json
-        from mlx_lm_patches import matrix
+        from mlx_lm_patches.engine import matrix
         out = {{}}
         for pid in {IDS!r}:
             try:

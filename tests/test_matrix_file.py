@@ -8,11 +8,12 @@ from pathlib import Path
 import pytest
 from packaging.version import Version
 
-from mlx_lm_patches import matrix
+from mlx_lm_patches import patches
+from mlx_lm_patches.engine import contract, matrix
 from mlx_lm_patches.__main__ import render_table
 
 REPO = Path(__file__).resolve().parent.parent
-PATCH_DIR = Path(matrix.__file__).resolve().parent / "patches"
+PATCH_DIR = Path(patches.__file__).resolve().parent
 
 
 def test_shipped_matrix_is_the_repository_matrix(the_matrix):
@@ -24,10 +25,10 @@ def test_shipped_matrix_is_the_repository_matrix(the_matrix):
 def test_every_patch_has_a_module_with_the_interface(the_matrix):
     for spec in the_matrix.patches:
         module = importlib.import_module(spec.module_name)
-        for name in ("probe", "apply", "scenario"):
+        for name in contract.REQUIRED:
             assert callable(getattr(module, name, None)), f"{spec.module_name} lacks {name}()"
         doc = inspect.getdoc(module) or ""
-        for section in ("Bug", "Fix", "Affected", "Upstream", "Retire"):
+        for section in contract.DOCSTRING_SECTIONS:
             assert f"\n{section}\n" in f"\n{doc}\n", f"{spec.module_name} docstring lacks {section}"
         assert spec.upstream, spec.id
         assert all(u.startswith("https://") for u in spec.upstream), spec.id

@@ -2,7 +2,7 @@
 CI matrix has a row with mlx-vlm 0.4.0, elsewhere this file is skipped).
 
 Tiny random-weight mlx-vlm models built from config dicts
-(``mlx_lm_patches/testing/tiny_vlm_models.py``), prompts of 5, 9 and 13 tokens. Reference: each
+(``mlx_lm_patches/demos/tiny_vlm_models.py``), prompts of 5, 9 and 13 tokens. Reference: each
 prompt alone through mlx-vlm's ``generate_step``. Batched: mlx-vlm's own ``BatchGenerator`` (fed
 as ``batch_generate`` feeds it, rows keeping their lengths) and mlx-lm's ``BatchGenerator``
 driving the language model. With the patches: same greedy tokens, log-probabilities within 1e-4.
@@ -16,7 +16,7 @@ pytest.importorskip("mlx_vlm")
 
 import mlx_lm_patches  # noqa: E402
 from conftest import run_python, xfail_if_affected  # noqa: E402
-from mlx_lm_patches.testing import tiny_vlm_models as vlm  # noqa: E402
+from mlx_lm_patches.demos import tiny_vlm_models as vlm  # noqa: E402
 
 ROWS = {row.id: row for row in mlx_lm_patches.apply()}
 PATHS = {"mlx-vlm": vlm.vlm_batched, "mlx-lm": vlm.mlx_lm_batched}
@@ -72,7 +72,7 @@ def test_image_positions_at_different_row_offsets_are_refused():
     import mlx.core as mx
     from mlx_lm.models.cache import BatchKVCache
 
-    from mlx_lm_patches.vlm_positions import BatchedVisionPositions
+    from mlx_lm_patches.mechanisms.vlm_positions import BatchedVisionPositions
 
     if ROWS[POSITIONS["qwen3_vl"]].state != "applied":
         pytest.skip(f"{POSITIONS['qwen3_vl']} is {ROWS[POSITIONS['qwen3_vl']].state} here")
@@ -92,7 +92,7 @@ def test_mlx_vlm_patches_are_decided_when_mlx_vlm_model_code_is_imported():
     """Automatic activation: importing mlx_lm leaves the mlx-vlm patches pending (mlx-vlm is not
     imported for them); importing mlx-vlm's Qwen3.5 language module decides them; ``status``
     names the installed mlx-vlm and the range each of these patches is about."""
-    from mlx_lm_patches import versions
+    from mlx_lm_patches.engine import versions
 
     ran = run_python("""
         import contextlib, io, json, mlx_lm, mlx_lm_patches

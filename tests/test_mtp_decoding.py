@@ -10,8 +10,8 @@ import importlib.util
 import pytest
 
 import mlx_lm_patches
-from mlx_lm_patches.scenarios import LOGPROB_TOLERANCE, Decoded, greedy, prompt_tokens, speculative_greedy
-from mlx_lm_patches.testing.mtp_checkpoints import write_mtp_checkpoint
+from mlx_lm_patches.demos.scenarios import LOGPROB_TOLERANCE, Decoded, greedy, prompt_tokens, speculative_greedy
+from mlx_lm_patches.demos.mtp_checkpoints import write_mtp_checkpoint
 
 mlx_lm_patches.apply()
 
@@ -50,12 +50,12 @@ def test_mtp_speculation_equals_greedy(loaded, family, hidden, fusion):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_mtp_speculation_with_accepted_proposals_equals_greedy(loaded, family, hidden):
     """A random head's proposals are all rejected; with the true token hinted for two targets
-    in three (the head still runs, see ``testing/mtp_drafts.py``) rounds accept some, all or
+    in three (the head still runs, see ``tests/support/mtp_drafts.py``) rounds accept some, all or
     none of their drafts, and the output is still the greedy output."""
     import mlx.core as mx
     from mlx_lm.generate import speculative_generate_step
 
-    from mlx_lm_patches.testing.mtp_drafts import hinted_draft
+    from support.mtp_drafts import hinted_draft
 
     model = loaded[family][0]
     prompt = prompt_tokens(17, seed=4)
@@ -81,8 +81,8 @@ def test_draft_proposals_are_the_heads_predictions_at_the_committed_position(loa
     import mlx.core as mx
     from mlx_lm.generate import speculative_generate_step
 
-    from mlx_lm_patches.mtp_decoding import MTPDraft, mtp_forward
-    from mlx_lm_patches.testing.mtp_drafts import hinted_draft
+    from mlx_lm_patches.mechanisms.mtp.decoding import MTPDraft, mtp_forward
+    from support.mtp_drafts import hinted_draft
 
     model = loaded[family][0]
     proposals = []
@@ -118,7 +118,7 @@ def test_draft_proposals_are_the_heads_predictions_at_the_committed_position(loa
 def test_missing_head_is_a_clear_error(tmp_path):
     from mlx_lm import load
 
-    from mlx_lm_patches.mtp_decoding import MTPUnavailable
+    from mlx_lm_patches.mechanisms.mtp.decoding import MTPUnavailable
 
     written = write_mtp_checkpoint(tmp_path, "qwen3_next", drop=["mtp.norm.weight"])
     model, _ = load(str(written.folder))
@@ -130,7 +130,7 @@ def test_draft_model_mtp_selects_the_head(loaded):
     """What ``mlx_lm.generate --model PATH --draft-model mtp`` does: load(PATH), then load("mtp")."""
     import sys
 
-    from mlx_lm_patches.mtp_decoding import MTPDraft
+    from mlx_lm_patches.mechanisms.mtp.decoding import MTPDraft
 
     load = sys.modules["mlx_lm.generate"].load
     model, tokenizer = load(str(loaded[FAMILIES[0]][2]))

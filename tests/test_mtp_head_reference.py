@@ -11,8 +11,8 @@ import importlib.util
 import pytest
 
 import mlx_lm_patches
-from mlx_lm_patches.scenarios import LOGPROB_TOLERANCE, prompt_tokens
-from mlx_lm_patches.testing.mtp_checkpoints import write_mtp_checkpoint
+from mlx_lm_patches.demos.scenarios import LOGPROB_TOLERANCE, prompt_tokens
+from mlx_lm_patches.demos.mtp_checkpoints import write_mtp_checkpoint
 
 mlx_lm_patches.apply()
 
@@ -34,7 +34,7 @@ def _one_step_model(model, config, head, fused):
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from mlx_lm_patches.testing.tiny_models import _model_classes
+    from mlx_lm_patches.demos.tiny_models import _model_classes
 
     config = copy.deepcopy(config)
     text = config.get("text_config", config)

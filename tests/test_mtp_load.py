@@ -9,7 +9,7 @@ import importlib.util
 import pytest
 
 import mlx_lm_patches
-from mlx_lm_patches.testing.mtp_checkpoints import check_loaded, write_mtp_checkpoint
+from mlx_lm_patches.demos.mtp_checkpoints import check_loaded, write_mtp_checkpoint
 
 mlx_lm_patches.apply()
 
@@ -37,7 +37,7 @@ def test_mtp_head_and_backbone_round_trip(tmp_path, family, form, quantized, pla
     if quantized:
         import mlx.nn as nn
 
-        from mlx_lm_patches.mtp_families import family_of
+        from mlx_lm_patches.mechanisms.mtp.families import family_of
 
         projection = family_of(model).fusion(model.mtp)[2]  # fc / eh_proj
         assert isinstance(projection, nn.QuantizedLinear)
@@ -71,8 +71,8 @@ def test_incomplete_head_is_not_attached_and_the_status_names_what_is_missing(tm
 
 
 def test_checkpoint_without_mtp(tmp_path):
-    from mlx_lm_patches.testing.model_folder import write_model_folder
-    from mlx_lm_patches.testing.tiny_models import build_tiny_model, tiny_config
+    from mlx_lm_patches.demos.model_folder import write_model_folder
+    from mlx_lm_patches.demos.tiny_models import build_tiny_model, tiny_config
 
     folder = write_model_folder(tmp_path / "plain", build_tiny_model("qwen3_next"), tiny_config("qwen3_next"))
     model = _load(folder)
@@ -82,8 +82,8 @@ def test_checkpoint_without_mtp(tmp_path):
 def test_other_families_say_their_head_is_not_kept(tmp_path):
     """A family whose MTP head is not kept (here llama declaring a DeepSeek-style MTP layer):
     the model loads as stock mlx-lm loads it and the status says the head is not kept."""
-    from mlx_lm_patches.testing.model_folder import write_model_folder
-    from mlx_lm_patches.testing.tiny_models import build_tiny_model, tiny_config
+    from mlx_lm_patches.demos.model_folder import write_model_folder
+    from mlx_lm_patches.demos.tiny_models import build_tiny_model, tiny_config
 
     folder = write_model_folder(tmp_path / "llama", build_tiny_model("llama"),
                                 dict(tiny_config("llama"), num_nextn_predict_layers=1))
@@ -106,7 +106,7 @@ def test_nemotron_h_head_follows_its_block_pattern(tmp_path):
     """Nemotron 3 Super's MTP blocks: attention (fusion in front), then MoE (final norm behind);
     MLP instead of MoE where this mlx-lm has no MoE block. The pattern comes from the config
     (``mtp_hybrid_override_pattern``, or ``mtp_layers_block_type``), else from the tensors."""
-    from mlx_lm_patches.testing.mtp_checkpoints import nemotron_mtp_pattern
+    from mlx_lm_patches.demos.mtp_checkpoints import nemotron_mtp_pattern
 
     pattern = nemotron_mtp_pattern()
     written = write_mtp_checkpoint(tmp_path, "nemotron_h", name="pattern")
@@ -122,7 +122,7 @@ def test_nemotron_h_head_follows_its_block_pattern(tmp_path):
 
 
 def test_nemotron_h_head_this_release_cannot_build_says_why(tmp_path):
-    from mlx_lm_patches.testing.mtp_checkpoints import nemotron_mtp_pattern
+    from mlx_lm_patches.demos.mtp_checkpoints import nemotron_mtp_pattern
 
     written = write_mtp_checkpoint(tmp_path, "nemotron_h", name="mamba-head")
     _rewrite_config(written.folder, mtp_hybrid_override_pattern="*M")

@@ -10,8 +10,8 @@ import importlib.util
 import pytest
 
 import mlx_lm_patches
-from mlx_lm_patches.scenarios import greedy, prompt_tokens, speculative_greedy
-from mlx_lm_patches.testing.mtp_checkpoints import check_loaded, write_mtp_checkpoint
+from mlx_lm_patches.demos.scenarios import greedy, prompt_tokens, speculative_greedy
+from mlx_lm_patches.demos.mtp_checkpoints import check_loaded, write_mtp_checkpoint
 from test_mtp_load import FORMS
 
 mlx_lm_patches.apply()
@@ -67,7 +67,7 @@ def test_lazy_load_decodes_exactly(tmp_path):
     """A lazily loaded head (nothing evaluated at load) drafts exactly."""
     from mlx_lm import load
 
-    from mlx_lm_patches.testing.mtp_drafts import hinted_draft
+    from support.mtp_drafts import hinted_draft
 
     written = write_mtp_checkpoint(tmp_path, FAMILIES[-1], dtype="float32", placement="sidecar")
     model = load(str(written.folder), lazy=True)[0]
@@ -82,7 +82,7 @@ def _sharding(family):
     """Why ``sharded_load`` cannot run for ``family`` on this release, or None."""
     import mlx_lm.utils
 
-    from mlx_lm_patches.testing.tiny_models import build_tiny_model
+    from mlx_lm_patches.demos.tiny_models import build_tiny_model
 
     if not hasattr(mlx_lm.utils, "sharded_load"):
         return "this mlx-lm has no sharded_load"
@@ -125,7 +125,7 @@ def test_sharded_load_decodes_exactly(tmp_path):
         pytest.skip("no family can be sharded with this mlx-lm")
     from mlx_lm.utils import sharded_load
 
-    from mlx_lm_patches.testing.mtp_drafts import hinted_draft
+    from support.mtp_drafts import hinted_draft
 
     written = write_mtp_checkpoint(tmp_path, family, dtype="float32")
     model, _ = sharded_load(str(written.folder))

@@ -11,9 +11,9 @@ import json
 import pytest
 
 import mlx_lm_patches
-from mlx_lm_patches.mtp_families import family_of
-from mlx_lm_patches.scenarios import Decoded, greedy, prompt_tokens, speculative_greedy
-from mlx_lm_patches.testing.mtp_checkpoints import check_loaded, write_mtp_checkpoint
+from mlx_lm_patches.mechanisms.mtp.families import family_of
+from mlx_lm_patches.demos.scenarios import Decoded, greedy, prompt_tokens, speculative_greedy
+from mlx_lm_patches.demos.mtp_checkpoints import check_loaded, write_mtp_checkpoint
 
 mlx_lm_patches.apply()
 
@@ -112,7 +112,7 @@ def test_mixed_per_layer_quantization_round_trips(mixed, family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_mixed_quantization_mtp_speculation_equals_greedy(mixed, family):
     """The head's own draft, and the same draft with the true token hinted for two targets in
-    three (so rounds accept drafts: ``testing/mtp_drafts.py``), give the greedy output."""
+    three (so rounds accept drafts: ``tests/support/mtp_drafts.py``), give the greedy output."""
     try:
         _mixed_speculation(mixed[family][1])
     except TypeError as exc:  # mlx-lm's own quantized MoE layers cannot run with this mlx
@@ -126,7 +126,7 @@ def _mixed_speculation(model):
     import mlx.core as mx
     from mlx_lm.generate import speculative_generate_step
 
-    from mlx_lm_patches.testing.mtp_drafts import hinted_draft
+    from support.mtp_drafts import hinted_draft
 
     prompt = prompt_tokens(15, seed=6)
     reference = greedy(model, prompt, max_tokens=12)

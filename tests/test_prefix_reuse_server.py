@@ -17,10 +17,10 @@ import re
 import pytest
 
 from conftest import clean_env
-from mlx_lm_patches.testing.chat_reference import chat_prompt, chat_reference
-from mlx_lm_patches.testing.model_folder import write_model_folder
-from mlx_lm_patches.testing.server import serve, server_flags
-from mlx_lm_patches.testing.tiny_models import build_tiny_model, tiny_config
+from support.chat_reference import chat_prompt, chat_reference
+from mlx_lm_patches.demos.model_folder import write_model_folder
+from support.server import serve, server_flags
+from mlx_lm_patches.demos.tiny_models import build_tiny_model, tiny_config
 
 pytestmark = pytest.mark.subprocess
 
@@ -45,7 +45,7 @@ REUSED = re.compile(r"prompt cache: (\d+) of (\d+) tokens reused")
 def _reports_cached_tokens():
     from packaging.version import Version
 
-    from mlx_lm_patches import versions
+    from mlx_lm_patches.engine import versions
 
     return versions.mlx_lm().parsed >= Version("0.31.1")
 

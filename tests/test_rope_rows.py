@@ -15,8 +15,9 @@ import sys
 import pytest
 
 import mlx_lm_patches
-from mlx_lm_patches import rope_rows
-from mlx_lm_patches.testing import tiny_models, tiny_rope_models
+from mlx_lm_patches.mechanisms import rope_rows
+from mlx_lm_patches.demos import tiny_models
+from mlx_lm_patches.demos import tiny_rope_models
 
 ROWS = {row.id: row for row in mlx_lm_patches.apply()}
 

@@ -26,10 +26,10 @@ import threading
 import pytest
 
 from conftest import clean_env
-from mlx_lm_patches.testing.chat_reference import chat_reference
-from mlx_lm_patches.testing.model_folder import write_model_folder
-from mlx_lm_patches.testing.server import serve
-from mlx_lm_patches.testing.tiny_models import DENSE_MODEL_TYPE, build_tiny_model, tiny_config
+from support.chat_reference import chat_reference
+from mlx_lm_patches.demos.model_folder import write_model_folder
+from support.server import serve
+from mlx_lm_patches.demos.tiny_models import DENSE_MODEL_TYPE, build_tiny_model, tiny_config
 
 pytestmark = pytest.mark.subprocess
 
@@ -48,7 +48,7 @@ QUESTIONS = [
 
 
 def _version():
-    from mlx_lm_patches import versions
+    from mlx_lm_patches.engine import versions
 
     return versions.mlx_lm().parsed
 
@@ -327,7 +327,7 @@ def test_load_with_shared_and_diverging_prefixes(server, reference):
     """32 requests at concurrency 8 (the full 200 are ``benchmarks/server_load.py``): shared
     system prompts, a shared document diverging in the last message, second turns, repeats;
     a third streamed. No errors, nothing lost, every answer equal to its cold reference."""
-    from mlx_lm_patches.testing.server_load import run_load, workload
+    from support.server_load import run_load, workload
 
     jobs = workload(LOAD_REQUESTS, lambda messages: reference(messages, 8).text, seed=1)
     result = run_load(server, jobs, concurrency=8, max_tokens=8, extra=_extra(batchable=True), timeout=120)

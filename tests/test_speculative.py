@@ -9,8 +9,8 @@ recurrent state on trim (mlx-lm PR #1254) is wrong, and a cache never claims a t
 import pytest
 
 import mlx_lm_patches
-from mlx_lm_patches.scenarios import greedy, prompt_tokens, speculative_greedy
-from mlx_lm_patches.testing.tiny_models import DENSE_MODEL_TYPE, available_model_types, build_tiny_model
+from mlx_lm_patches.demos.scenarios import greedy, prompt_tokens, speculative_greedy
+from mlx_lm_patches.demos.tiny_models import DENSE_MODEL_TYPE, available_model_types, build_tiny_model
 
 mlx_lm_patches.apply()
 
@@ -81,7 +81,8 @@ def test_reset_on_trim_is_wrong_and_the_journal_is_exact(model_type):
     import mlx.core as mx
     from mlx_lm.models.cache import ArraysCache, make_prompt_cache, trim_prompt_cache
 
-    from mlx_lm_patches.journal import Journal, flat_caches
+    from mlx_lm_patches.mechanisms.journal import Journal
+    from mlx_lm_patches.mechanisms.caches import flat_caches
 
     model = build_tiny_model(model_type, seed=1)
     tokens = prompt_tokens(17, seed=8)
@@ -155,7 +156,8 @@ def test_a_trim_beyond_what_was_kept_changes_nothing():
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
-    from mlx_lm_patches.journal import Journal, RollbackRefused, flat_caches
+    from mlx_lm_patches.mechanisms.journal import Journal, RollbackRefused
+    from mlx_lm_patches.mechanisms.caches import flat_caches
 
     model = build_tiny_model("qwen3_next", seed=1)
     cache = make_prompt_cache(model)
@@ -184,8 +186,8 @@ def test_kept_states_are_counted_and_bounded(monkeypatch):
     import mlx.core as mx
     from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
-    from mlx_lm_patches.env import EnvError
-    from mlx_lm_patches.journal import Journal, RollbackRefused
+    from mlx_lm_patches.engine.env import EnvError
+    from mlx_lm_patches.mechanisms.journal import Journal, RollbackRefused
 
     model = build_tiny_model("qwen3_next", seed=1)
     cache = make_prompt_cache(model)

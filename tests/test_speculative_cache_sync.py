@@ -16,8 +16,8 @@ import pytest
 
 import mlx_lm_patches
 from conftest import run_python, xfail_if_affected
-from mlx_lm_patches.scenarios import continue_after_speculation, prompt_tokens
-from mlx_lm_patches.testing.tiny_models import DENSE_MODEL_TYPE, available_model_types, build_tiny_model
+from mlx_lm_patches.demos.scenarios import continue_after_speculation, prompt_tokens
+from mlx_lm_patches.demos.tiny_models import DENSE_MODEL_TYPE, available_model_types, build_tiny_model
 
 mlx_lm_patches.apply()
 
@@ -73,7 +73,7 @@ def test_caches_hold_exactly_prompt_and_generated_tokens():
     from mlx_lm.generate import speculative_generate_step
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlx_lm_patches.journal import flat_caches
+    from mlx_lm_patches.mechanisms.caches import flat_caches
 
     model, draft = _model(DENSE_MODEL_TYPE, 1), _model(DENSE_MODEL_TYPE, 1)
     prompt = prompt_tokens(14, seed=2)
@@ -98,9 +98,9 @@ def test_extra_tokens_are_trimmed_exactly():
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlx_lm_patches.cache_sync import CachePart
-    from mlx_lm_patches.journal import Journal
-    from mlx_lm_patches.scenarios import greedy
+    from mlx_lm_patches.mechanisms.cache_sync import CachePart
+    from mlx_lm_patches.mechanisms.journal import Journal
+    from mlx_lm_patches.demos.scenarios import greedy
 
     tokens = prompt_tokens(12, seed=4)
     for model_type in [t for t in (DENSE_MODEL_TYPE, "qwen3_next") if t in TYPES]:
@@ -126,8 +126,9 @@ def test_recurrent_extra_tokens_without_a_journal_are_refused():
     import mlx.core as mx
     from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
-    from mlx_lm_patches.cache_sync import CacheOutOfSync, CachePart
-    from mlx_lm_patches.journal import Journal, flat_caches
+    from mlx_lm_patches.mechanisms.cache_sync import CacheOutOfSync, CachePart
+    from mlx_lm_patches.mechanisms.journal import Journal
+    from mlx_lm_patches.mechanisms.caches import flat_caches
 
     if "qwen3_next" not in TYPES:
         pytest.skip("no qwen3_next in this mlx-lm")
@@ -161,8 +162,8 @@ def test_mtp_draft_conversation(tmp_path):
     from mlx_lm.generate import speculative_generate_step
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlx_lm_patches.scenarios import greedy
-    from mlx_lm_patches.testing.mtp_checkpoints import write_mtp_checkpoint
+    from mlx_lm_patches.demos.scenarios import greedy
+    from mlx_lm_patches.demos.mtp_checkpoints import write_mtp_checkpoint
 
     family = next((f for f in ("qwen3_next", "qwen3_5") if importlib.util.find_spec(f"mlx_lm.models.{f}")), None)
     if family is None:
@@ -198,8 +199,8 @@ def test_mtp_draft_conversation(tmp_path):
 _IN_A_FRESH_INTERPRETER = """
     import json
     import mlx_lm_patches
-    from mlx_lm_patches.scenarios import continue_after_speculation
-    from mlx_lm_patches.testing.tiny_models import build_tiny_model
+    from mlx_lm_patches.demos.scenarios import continue_after_speculation
+    from mlx_lm_patches.demos.tiny_models import build_tiny_model
 
     def run(pairs, endings):
         out = {}

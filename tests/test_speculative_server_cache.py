@@ -15,10 +15,10 @@ more text.
 import pytest
 
 from conftest import clean_env, xfail_if_affected
-from mlx_lm_patches.testing.chat_reference import chat_prompt, chat_reference, token_reference
-from mlx_lm_patches.testing.model_folder import write_model_folder
-from mlx_lm_patches.testing.server import serve
-from mlx_lm_patches.testing.tiny_models import DENSE_MODEL_TYPE, build_tiny_model, tiny_config
+from support.chat_reference import chat_prompt, chat_reference, token_reference
+from mlx_lm_patches.demos.model_folder import write_model_folder
+from support.server import serve
+from mlx_lm_patches.demos.tiny_models import DENSE_MODEL_TYPE, build_tiny_model, tiny_config
 
 pytestmark = pytest.mark.subprocess
 
@@ -35,7 +35,7 @@ CANDIDATES = [
 def _chat_requests():
     from packaging.version import Version
 
-    from mlx_lm_patches import versions
+    from mlx_lm_patches.engine import versions
 
     return versions.mlx_lm().parsed >= Version("0.30.0")
 

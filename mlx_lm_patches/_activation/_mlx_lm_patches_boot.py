@@ -4,7 +4,7 @@
 Installed as a *top-level* module so that arming costs one small import: standard library only
 (``sys``, plus ``os`` which site already imported), and not even our package is imported until
 something imports ``mlx_lm``. It puts a one-shot finder on ``sys.meta_path``; when ``mlx_lm`` is
-first looked up, the finder hands over to ``mlx_lm_patches.engine``, which registers post-import
+first looked up, the finder hands over to ``mlx_lm_patches.engine.core``, which registers post-import
 hooks on the modules that define each patch target *before* ``mlx_lm`` runs its ``__init__`` (so
 ``from x import y`` copies inside mlx-lm see patched objects), then lets the import proceed. If
 ``mlx_lm`` is already imported when we are armed, the engine applies late and warns.
@@ -34,7 +34,7 @@ def _enabled():
     if value in _OFF:
         return False
     try:  # malformed: let env.py word the message, and stay off
-        from mlx_lm_patches import env
+        from mlx_lm_patches.engine import env
 
         env.flag(env.ENABLED)
         message = f"MLX_LM_PATCHES={value!r} is not understood"
@@ -69,7 +69,7 @@ def _strict():
 
 def _activate(source, late):
     try:
-        from mlx_lm_patches import engine
+        from mlx_lm_patches.engine import core as engine
 
         engine.auto_activate(source, late=late)
     except Exception as exc:  # never break the user's import, unless asked to

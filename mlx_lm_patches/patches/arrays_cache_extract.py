@@ -29,7 +29,7 @@ Metal
 
 import sys
 
-from ..scenarios import Outcome
+from mlx_lm_patches.engine.contract import Outcome
 
 CACHE = "mlx_lm.models.cache"
 
@@ -65,8 +65,8 @@ def apply(p):
 def scenario():
     """Batched decoding of hybrid models through BatchGenerator until every sequence finishes,
     each finished sequence's prompt cache then continuing exactly on its own."""
-    from ..scenarios import batched_greedy, greedy, prompt_tokens
-    from ..testing.tiny_models import available_model_types, build_tiny_model
+    from mlx_lm_patches.demos.scenarios import batched_greedy, greedy, prompt_tokens
+    from mlx_lm_patches.demos.tiny_models import available_model_types, build_tiny_model
 
     details = []
     for model_type in [t for t in ("qwen3_next", "nemotron_h", "falcon_h1") if t in available_model_types()]:

@@ -30,7 +30,7 @@ Metal
 
 import sys
 
-from ..scenarios import Outcome
+from mlx_lm_patches.engine.contract import Outcome
 
 CACHE = "mlx_lm.models.cache"
 METHODS = ("update_and_fetch", "prepare", "finalize", "trim")
@@ -67,8 +67,8 @@ def apply(p):
 
 def scenario():
     """bailing_moe_linear, two prompts of equal length batched: equal to single decoding."""
-    from ..scenarios import batched_greedy, greedy, prompt_tokens
-    from ..testing.tiny_models import available_model_types, build_tiny_model
+    from mlx_lm_patches.demos.scenarios import batched_greedy, greedy, prompt_tokens
+    from mlx_lm_patches.demos.tiny_models import available_model_types, build_tiny_model
 
     if "bailing_moe_linear" not in available_model_types():
         return Outcome.not_applicable("no bailing_moe_linear in this mlx-lm")

@@ -30,7 +30,7 @@ Metal
 
 import sys
 
-from ..scenarios import Outcome
+from mlx_lm_patches.engine.contract import Outcome
 
 CACHE = "mlx_lm.models.cache"
 
@@ -69,8 +69,8 @@ def apply(p):
 
 def scenario():
     """BatchGenerator with prompts of different lengths equals single-sequence decoding."""
-    from ..scenarios import batched_greedy, greedy, prompt_tokens
-    from ..testing.tiny_models import available_model_types, build_tiny_model
+    from mlx_lm_patches.demos.scenarios import batched_greedy, greedy, prompt_tokens
+    from mlx_lm_patches.demos.tiny_models import available_model_types, build_tiny_model
 
     from mlx_lm.models.cache import ArraysCache
 

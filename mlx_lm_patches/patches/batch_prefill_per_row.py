@@ -10,7 +10,7 @@ Bug
     (or continuations of prompt caches of different lengths) share a batch.
 
     Models whose rotary frequencies depend on the sequence length (dynamic-NTK scaling, the
-    two-factor longrope of 0.29.x-0.30.0; ``mlx_lm_patches/rope_rows.py``) cannot be prefilled
+    two-factor longrope of 0.29.x-0.30.0; ``mlx_lm_patches/mechanisms/rope_rows.py``) cannot be prefilled
     padded either: a padded row is rotated with the frequencies of the padded length (or, left
     padded on <= 0.31.1, of a shifted one for internlm2/3), not of its own.
 
@@ -53,8 +53,8 @@ Metal
 import logging
 import sys
 
-from .. import rope_rows
-from ..scenarios import Outcome
+from mlx_lm_patches.mechanisms import rope_rows
+from mlx_lm_patches.engine.contract import Outcome
 
 log = logging.getLogger("mlx_lm_patches")
 
@@ -219,8 +219,8 @@ FAMILIES = ("nemotron_h", "jamba", "mamba", "olmo_hybrid")
 def scenario():
     """BatchGenerator with mask-ignoring recurrent families: different lengths, a late insert,
     and pre-filled prompt caches, each equal to single-sequence decoding."""
-    from ..scenarios import batching_situations
-    from ..testing.tiny_models import available_model_types, build_tiny_model
+    from mlx_lm_patches.demos.scenarios import batching_situations
+    from mlx_lm_patches.demos.tiny_models import available_model_types, build_tiny_model
 
     details = []
     for model_type in [t for t in FAMILIES if t in available_model_types()]:

@@ -38,7 +38,7 @@ Metal
 import inspect
 import sys
 
-from ..scenarios import Outcome
+from mlx_lm_patches.engine.contract import Outcome
 
 TOKENIZER_UTILS = "mlx_lm.tokenizer_utils"
 
@@ -74,9 +74,9 @@ def scenario():
     ids, then ``stream_generate``; the answer equals greedy decoding of the encoded template."""
     import tempfile
 
-    from ..scenarios import greedy
-    from ..testing.model_folder import write_model_folder
-    from ..testing.tiny_models import build_tiny_model, tiny_config
+    from mlx_lm_patches.demos.scenarios import greedy
+    from mlx_lm_patches.demos.model_folder import write_model_folder
+    from mlx_lm_patches.demos.tiny_models import build_tiny_model, tiny_config
 
     from mlx_lm import load
     from mlx_lm.generate import stream_generate

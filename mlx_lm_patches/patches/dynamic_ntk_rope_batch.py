@@ -12,7 +12,7 @@ Bug
 Fix
     With per-row offsets, each row gets the base the stock method computes for that row's int
     offset (rows grouped by base, ``mx.fast.rope`` with the group's per-row offsets; see
-    ``mlx_lm_patches/rope_rows.py``); an int offset runs the stock method. The base also depends
+    ``mlx_lm_patches/mechanisms/rope_rows.py``); an int offset runs the stock method. The base also depends
     on how a prompt is cut into forward passes, so rows of different lengths are prefilled alone
     (``batch-prefill-per-row`` recognises this class); decoding stays batched.
 
@@ -34,7 +34,7 @@ Metal
 
 import sys
 
-from .. import rope_rows
+from mlx_lm_patches.mechanisms import rope_rows
 
 MODULE = "mlx_lm.models.rope_utils"
 PID = "dynamic-ntk-rope-batch"
@@ -82,6 +82,6 @@ def apply(p):
 def scenario():
     """llama, qwen3_next and falcon_h1 with ``rope_scaling`` type ``dynamic``, three prompts
     batched with rows on both sides of the NTK threshold."""
-    from ..testing.tiny_rope_models import scenario_outcome
+    from mlx_lm_patches.demos.tiny_rope_models import scenario_outcome
 
     return scenario_outcome(PID, "dynamic-NTK RoPE (rope_scaling type dynamic)")

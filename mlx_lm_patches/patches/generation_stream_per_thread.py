@@ -35,7 +35,7 @@ import gc
 import sys
 import threading
 
-from ..scenarios import Outcome
+from mlx_lm_patches.engine.contract import Outcome
 
 GENERATE = "mlx_lm.generate"
 SERVER = "mlx_lm.server"
@@ -81,8 +81,8 @@ def apply(p):
 def scenario():
     """Greedy decoding of a tiny model with ``stream_generate``'s own loop in a worker thread
     (as ``mlx_lm.server`` does), equal to the same decoding in the main thread."""
-    from ..scenarios import greedy, prompt_tokens
-    from ..testing.tiny_models import DENSE_MODEL_TYPE, build_tiny_model
+    from mlx_lm_patches.demos.scenarios import greedy, prompt_tokens
+    from mlx_lm_patches.demos.tiny_models import DENSE_MODEL_TYPE, build_tiny_model
 
     model = build_tiny_model(DENSE_MODEL_TYPE, seed=1)
     prompt = prompt_tokens(9, seed=2)

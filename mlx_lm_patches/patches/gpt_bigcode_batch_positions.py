@@ -30,7 +30,7 @@ Metal
 
 import sys
 
-from ..scenarios import Outcome
+from mlx_lm_patches.engine.contract import Outcome
 
 MODULE = "mlx_lm.models.gpt_bigcode"
 
@@ -84,7 +84,7 @@ def apply(p):
 
 def scenario():
     """gpt_bigcode, three prompts of different lengths batched: equal to single decoding."""
-    from ..scenarios import batched_greedy, greedy, prompt_tokens
+    from mlx_lm_patches.demos.scenarios import batched_greedy, greedy, prompt_tokens
 
     model = _tiny_model()
     prompts = [prompt_tokens(n, seed=n) for n in (5, 9, 13)]

@@ -13,7 +13,7 @@ Bug
 Fix
     With per-row offsets, each row gets the base the stock method computes for that row's int
     offset (rows grouped by base, ``mx.fast.rope`` with the group's per-row offsets; see
-    ``mlx_lm_patches/rope_rows.py``); an int offset runs the stock method. The base also depends
+    ``mlx_lm_patches/mechanisms/rope_rows.py``); an int offset runs the stock method. The base also depends
     on how a prompt is cut into forward passes, so rows of different lengths are prefilled alone
     (``batch-prefill-per-row`` recognises this rotary class); decoding stays batched.
 
@@ -35,7 +35,7 @@ Metal
 
 import sys
 
-from .. import rope_rows
+from mlx_lm_patches.mechanisms import rope_rows
 
 MODULE = "mlx_lm.models.internlm2"
 PID = "internlm2-batch-rope"
@@ -88,6 +88,6 @@ def apply(p):
 
 def scenario():
     """internlm2, three prompts batched with rows on both sides of the NTK threshold."""
-    from ..testing.tiny_rope_models import scenario_outcome
+    from mlx_lm_patches.demos.tiny_rope_models import scenario_outcome
 
     return scenario_outcome(PID, "internlm2 dynamic-NTK RoPE")

@@ -29,7 +29,7 @@ Metal
 
 import sys
 
-from .internlm2_batch_rope import per_row_dynamic_ntk, probe_class
+from mlx_lm_patches.patches.internlm2_batch_rope import per_row_dynamic_ntk, probe_class
 
 MODULE = "mlx_lm.models.internlm3"
 PID = "internlm3-batch-rope"
@@ -45,6 +45,6 @@ def apply(p):
 
 def scenario():
     """internlm3, three prompts batched with rows on both sides of the NTK threshold."""
-    from ..testing.tiny_rope_models import scenario_outcome
+    from mlx_lm_patches.demos.tiny_rope_models import scenario_outcome
 
     return scenario_outcome(PID, "internlm3 dynamic-NTK RoPE")

@@ -31,7 +31,7 @@ Metal
 import importlib
 import sys
 
-from ..scenarios import Outcome
+from mlx_lm_patches.engine.contract import Outcome
 
 CACHE = "mlx_lm.models.cache"
 
@@ -68,8 +68,8 @@ def apply(p):
 def scenario():
     """A mamba prompt decoded by ``BatchGenerator``; decoding continued from the cache it hands
     back for the finished sequence equals greedy decoding of the whole sequence."""
-    from ..scenarios import _batched_one, greedy, prompt_tokens
-    from ..testing.tiny_models import available_model_types, build_tiny_model
+    from mlx_lm_patches.demos.scenarios import _batched_one, greedy, prompt_tokens
+    from mlx_lm_patches.demos.tiny_models import available_model_types, build_tiny_model
 
     if "mamba" not in available_model_types():
         return Outcome.not_applicable("no mamba model in this mlx-lm")

@@ -52,7 +52,7 @@ def apply(p):
 
 
 def probe():
-    from ..testing.tiny_vlm_models import gated_delta_advance_problem
+    from mlx_lm_patches.demos.tiny_vlm_models import gated_delta_advance_problem
 
     return gated_delta_advance_problem(sys.modules[MODULE])
 
@@ -60,6 +60,6 @@ def probe():
 def scenario():
     """A tiny random-weight mlx-vlm Qwen3.5 (gated-delta and attention layers): prompts of 5, 9
     and 13 tokens batched equal each prompt alone."""
-    from ..testing.tiny_vlm_models import scenario_outcome
+    from mlx_lm_patches.demos.tiny_vlm_models import scenario_outcome
 
     return scenario_outcome("qwen3_5")

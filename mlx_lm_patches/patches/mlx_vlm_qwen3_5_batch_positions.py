@@ -15,7 +15,7 @@ Fix
     (text only; image/video positions at different row offsets are refused), and the attention
     runs the stock code with a read-only view of the cache whose ``offset`` is the int padded
     length (the mask slice then keeps the whole mask; ``update_and_fetch`` goes to the cache
-    itself). Single-sequence calls run the stock code. See ``mlx_lm_patches/vlm_positions.py``.
+    itself). Single-sequence calls run the stock code. See ``mlx_lm_patches/mechanisms/vlm_positions.py``.
     Exact batched Qwen3.5 also needs ``mlx-vlm-gated-delta-advance``.
 
 Affected
@@ -41,7 +41,7 @@ Metal
 
 import sys
 
-from .. import vlm_positions
+from mlx_lm_patches.mechanisms import vlm_positions
 
 MODULE = "mlx_vlm.models.qwen3_5.language"
 
@@ -55,7 +55,7 @@ def apply(p):
 def probe():
     """Evidence that a one-layer Qwen3.5 language model (attention only) raises, or gives a
     left-padded row of a ``BatchKVCache`` batch something else than the row alone."""
-    from ..testing.tiny_vlm_models import batched_rows_problem
+    from mlx_lm_patches.demos.tiny_vlm_models import batched_rows_problem
 
     return batched_rows_problem(sys.modules[MODULE], "qwen3_5")
 
@@ -63,6 +63,6 @@ def probe():
 def scenario():
     """A tiny random-weight mlx-vlm Qwen3.5: prompts of 5, 9 and 13 tokens through mlx-vlm's
     ``BatchGenerator`` equal each prompt alone through mlx-vlm's ``generate_step``."""
-    from ..testing.tiny_vlm_models import scenario_outcome
+    from mlx_lm_patches.demos.tiny_vlm_models import scenario_outcome
 
     return scenario_outcome("qwen3_5")

@@ -17,7 +17,7 @@ Fix
     ``Qwen3VLModel.__call__`` gets the mask of the first layer's batch cache (its left padding),
     and the attention runs the stock code with a read-only view of the cache whose ``offset`` is
     the int padded length. Single-sequence calls run the stock code. See
-    ``mlx_lm_patches/vlm_positions.py``.
+    ``mlx_lm_patches/mechanisms/vlm_positions.py``.
 
 Affected
     mlx-vlm <= 0.4.4; measured on 0.4.0 and 0.4.4 (beside mlx-lm 0.32.2). (qwen3_vl_moe is a
@@ -41,7 +41,8 @@ Metal
 
 import sys
 
-from .. import rope_rows, vlm_positions
+from mlx_lm_patches.mechanisms import rope_rows
+from mlx_lm_patches.mechanisms import vlm_positions
 
 MODULE = "mlx_vlm.models.qwen3_vl.language"
 
@@ -68,7 +69,7 @@ def apply(p):
 def probe():
     """Evidence that a one-layer Qwen3-VL language model gives a left-padded row of a
     ``BatchKVCache`` batch something else than the row alone (or raises)."""
-    from ..testing.tiny_vlm_models import batched_rows_problem
+    from mlx_lm_patches.demos.tiny_vlm_models import batched_rows_problem
 
     return batched_rows_problem(sys.modules[MODULE], "qwen3_vl")
 
@@ -76,6 +77,6 @@ def probe():
 def scenario():
     """A tiny random-weight mlx-vlm Qwen3-VL: prompts of 5, 9 and 13 tokens through mlx-vlm's
     ``BatchGenerator`` and mlx-lm's equal each prompt alone through mlx-vlm's ``generate_step``."""
-    from ..testing.tiny_vlm_models import scenario_outcome
+    from mlx_lm_patches.demos.tiny_vlm_models import scenario_outcome
 
     return scenario_outcome("qwen3_vl")

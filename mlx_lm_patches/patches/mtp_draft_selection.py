@@ -31,7 +31,7 @@ import os
 import sys
 import weakref
 
-from ..scenarios import Outcome
+from mlx_lm_patches.engine.contract import Outcome
 
 GENERATE = "mlx_lm.generate"
 SERVER = "mlx_lm.server"
@@ -75,8 +75,8 @@ def scenario():
     (what ``--draft-model mtp`` does); speculative decoding with it equals greedy decoding."""
     import tempfile
 
-    from ..scenarios import greedy, prompt_tokens, speculative_greedy
-    from ..testing.mtp_checkpoints import write_mtp_checkpoint
+    from mlx_lm_patches.demos.scenarios import greedy, prompt_tokens, speculative_greedy
+    from mlx_lm_patches.demos.mtp_checkpoints import write_mtp_checkpoint
 
     load = sys.modules[GENERATE].load
     with tempfile.TemporaryDirectory() as tmp:

@@ -41,14 +41,14 @@ Metal
     Loading only; no kernel involved.
 """
 
-from ..scenarios import Outcome
+from mlx_lm_patches.engine.contract import Outcome
 
 UTILS = "mlx_lm.utils"
 FAMILY_MODULES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "nemotron_h")
 
 
 def _sanitize_without_mtp(wrapped, instance, args, kwargs):
-    from ..mtp_heads import split, stash
+    from mlx_lm_patches.mechanisms.mtp.heads import split, stash
 
     weights = args[0] if args else kwargs.pop("weights")
     backbone, mtp = split(weights)
@@ -58,16 +58,16 @@ def _sanitize_without_mtp(wrapped, instance, args, kwargs):
 
 
 def _load_model_with_mtp(wrapped, instance, args, kwargs):
-    from ..mtp_heads import attach
+    from mlx_lm_patches.mechanisms.mtp.heads import attach
 
     model, config = wrapped(*args, **kwargs)
     model_path = args[0] if args else kwargs.get("model_path")
     lazy = args[1] if len(args) > 1 else kwargs.get("lazy", False)
     attach(model, model_path, config, lazy=lazy)
-    from ..mtp_families import FAMILIES
+    from mlx_lm_patches.mechanisms.mtp.families import FAMILIES
 
     if getattr(model, "model_type", None) in FAMILIES:
-        from ..mtp_decoding import add_interface
+        from mlx_lm_patches.mechanisms.mtp.decoding import add_interface
 
         add_interface(model)
     return model, config
@@ -94,7 +94,7 @@ def scenario():
     """A Qwen3-Next checkpoint carrying an MTP head loads; head and backbone round-trip."""
     import tempfile
 
-    from ..testing.mtp_checkpoints import check_loaded, write_mtp_checkpoint
+    from mlx_lm_patches.demos.mtp_checkpoints import check_loaded, write_mtp_checkpoint
 
     from mlx_lm import load
 

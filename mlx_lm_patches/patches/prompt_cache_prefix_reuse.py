@@ -14,7 +14,7 @@ Bug
 
 Fix
     Keep exact recurrent states at positions of the prefill and reuse only those
-    (``mlx_lm_patches/prefix_checkpoints.py``). A prefill into a prompt cache the caller holds
+    (``mlx_lm_patches/mechanisms/prefix_reuse/``). A prefill into a prompt cache the caller holds
     (``generate_step(..., prompt_cache=...)``) runs through a recorder that keeps the recurrent
     states after each prefill pass, by reference, bounded per sequence (default 8, thinned so
     that a kept state lies within a factor of two of any position). While an ``LRUPromptCache``
@@ -52,7 +52,7 @@ import logging
 import sys
 from collections import deque
 
-from ..scenarios import Outcome
+from mlx_lm_patches.engine.contract import Outcome
 
 log = logging.getLogger("mlx_lm_patches")
 
@@ -65,9 +65,9 @@ SERVER = "mlx_lm.server"
 
 
 def _generate_step(wrapped, instance, args, kwargs):
-    from .. import prefix_checkpoints as pc
-    from ..journal import has_recurrent_state
-    from ..speculative import bind_arguments
+    from mlx_lm_patches.mechanisms import prefix_reuse as pc
+    from mlx_lm_patches.mechanisms.caches import has_recurrent_state
+    from mlx_lm_patches.mechanisms.calls import bind_arguments
 
     if not pc.keeping():
         return wrapped(*args, **kwargs)
@@ -95,23 +95,23 @@ def _closing(steps, recorder):
 def _row_history(row, history):
     """What a row of a ``PromptProcessingBatch`` holds, if certain: mlx-lm's own record of its
     tokens, checked against the attention caches' offsets."""
-    from .. import prefix_checkpoints as pc
-    from ..journal import _kv_offset, flat_caches
+    from mlx_lm_patches.mechanisms import prefix_reuse as pc
+    from mlx_lm_patches.mechanisms.caches import int_offset, flat_caches
 
     if not history:
         return () if pc.is_empty(row) else None
     arrays_cache = sys.modules[CACHE].ArraysCache
     for cache in flat_caches(row):
-        if not isinstance(cache, arrays_cache) and _kv_offset(cache) != len(history):
+        if not isinstance(cache, arrays_cache) and int_offset(cache) != len(history):
             return None
     return tuple(history)
 
 
 def _prompt(wrapped, instance, args, kwargs):
     """>= 0.31.2: prefill hybrid rows alone through a recorder."""
-    from .. import prefix_checkpoints as pc
-    from ..journal import has_recurrent_state
-    from .batch_prefill_per_row import prefill_rows_alone
+    from mlx_lm_patches.mechanisms import prefix_reuse as pc
+    from mlx_lm_patches.mechanisms.caches import has_recurrent_state
+    from mlx_lm_patches.patches.batch_prefill_per_row import prefill_rows_alone
 
     tokens = args[0] if args else kwargs.get("tokens")
     if not (pc.capturing() and tokens and len(tokens) == len(instance.uids)
@@ -133,8 +133,8 @@ def _prompt(wrapped, instance, args, kwargs):
 
 def _process_prompts(wrapped, instance, args, kwargs):
     """<= 0.31.1: each prompt is processed on its own (a batch of one) through a recorder."""
-    from .. import prefix_checkpoints as pc
-    from ..journal import has_recurrent_state
+    from mlx_lm_patches.mechanisms import prefix_reuse as pc
+    from mlx_lm_patches.mechanisms.caches import has_recurrent_state
 
     prompts = list(args[0] if args else kwargs["prompts"])
     if not (pc.capturing() and prompts and has_recurrent_state(prompts[0][3])):
@@ -167,7 +167,7 @@ def _process_prompts(wrapped, instance, args, kwargs):
 
 
 def _lru_init(wrapped, instance, args, kwargs):
-    from .. import prefix_checkpoints as pc
+    from mlx_lm_patches.mechanisms import prefix_reuse as pc
 
     pc.note_prompt_cache_created()
     return wrapped(*args, **kwargs)
@@ -197,9 +197,9 @@ def _stock_reuse(lru, model, tokens) -> int:
 
 
 def _fetch(wrapped, instance, args, kwargs):
-    from .. import prefix_checkpoints as pc
-    from ..journal import has_recurrent_state
-    from ..speculative import bind_arguments
+    from mlx_lm_patches.mechanisms import prefix_reuse as pc
+    from mlx_lm_patches.mechanisms.caches import has_recurrent_state
+    from mlx_lm_patches.mechanisms.calls import bind_arguments
 
     bound = bind_arguments(wrapped, args, kwargs)
     model, tokens = bound.arguments["model"], bound.arguments["tokens"]
@@ -218,9 +218,9 @@ def _fetch(wrapped, instance, args, kwargs):
 
 
 def _insert(wrapped, instance, args, kwargs):
-    from .. import prefix_checkpoints as pc
-    from ..journal import has_recurrent_state
-    from ..speculative import bind_arguments
+    from mlx_lm_patches.mechanisms import prefix_reuse as pc
+    from mlx_lm_patches.mechanisms.caches import has_recurrent_state
+    from mlx_lm_patches.mechanisms.calls import bind_arguments
 
     bound = bind_arguments(wrapped, args, kwargs)
     cache = bound.arguments["prompt_cache"]
@@ -230,7 +230,7 @@ def _insert(wrapped, instance, args, kwargs):
 
 
 def _plus_checkpoints(cache, nbytes):
-    from ..prefix_checkpoints import retained_nbytes
+    from mlx_lm_patches.mechanisms.prefix_reuse import retained_nbytes
 
     return nbytes + retained_nbytes(cache)
 
@@ -250,14 +250,14 @@ def probe():
 
 
 def apply(p):
-    from ..patching import property_over
+    from mlx_lm_patches.engine.patching import property_over
 
     cache_module = p.module(CACHE)
     arrays_cache = cache_module.ArraysCache
     for method, carry in (("merge", "carry_merge"), ("extend", "carry_extend"),
                           ("filter", "carry_filter"), ("extract", "carry_extract")):
         if hasattr(arrays_cache, method):
-            from .. import prefix_checkpoints as pc
+            from mlx_lm_patches.mechanisms import prefix_reuse as pc
 
             p.wrap(f"{CACHE}:ArraysCache.{method}", getattr(pc, carry))
     current_nbytes = vars(arrays_cache).get("nbytes")
@@ -277,8 +277,8 @@ def apply(p):
 def scenario():
     """A prompt stored after a 600-token shared prefix; a request diverging right after it:
     at least half the shared prefix is reused and the continuation equals a cold prefill."""
-    from ..scenarios import prefix_reuse
-    from ..testing.tiny_models import available_model_types, build_tiny_model
+    from mlx_lm_patches.demos.scenarios import prefix_reuse
+    from mlx_lm_patches.demos.tiny_models import available_model_types, build_tiny_model
 
     details = []
     for model_type in [t for t in ("qwen3_next", "lfm2", "falcon_h1", "mamba2") if t in available_model_types()]:

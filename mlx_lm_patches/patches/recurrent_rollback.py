@@ -13,7 +13,7 @@ Bug
 
 Fix
     Inside ``speculative_generate_step`` only, each model that has recurrent caches runs through
-    a :class:`~mlx_lm_patches.journal.Journal`: before each forward pass the recurrent states
+    a :class:`~mlx_lm_patches.mechanisms.journal.Journal`: before each forward pass the recurrent states
     are kept by reference, and a trim restores the newest kept state at or before the target,
     trims the attention caches to the same position and re-runs the accepted tokens through the
     model's own forward (what a cold prefill computes). Draft passes are one token long, so draft
@@ -47,15 +47,15 @@ Metal
 
 import sys
 
-from ..patching import property_over
-from ..scenarios import Outcome
+from mlx_lm_patches.engine.patching import property_over
+from mlx_lm_patches.engine.contract import Outcome
 
 CACHE = "mlx_lm.models.cache"
 GENERATE = "mlx_lm.generate"
 
 
 def _is_trimmable(self):
-    from ..journal import journal_of_cache
+    from mlx_lm_patches.mechanisms.journal import journal_of_cache
 
     return journal_of_cache(self) is not None
 
@@ -67,15 +67,15 @@ def _trim(self, n):
 
 
 def _plus_journal(cache, nbytes):
-    from ..journal import journal_of_cache
+    from mlx_lm_patches.mechanisms.journal import journal_of_cache
 
     journal = journal_of_cache(cache)
     return nbytes + (journal.retained_nbytes(cache) if journal is not None else 0)
 
 
 def _trim_prompt_cache(wrapped, instance, args, kwargs):
-    from ..journal import journal_of
-    from ..speculative import bind_arguments
+    from mlx_lm_patches.mechanisms.journal import journal_of
+    from mlx_lm_patches.mechanisms.calls import bind_arguments
 
     bound = bind_arguments(wrapped, args, kwargs)
     cache, n = bound.arguments["cache"], bound.arguments["num_tokens"]
@@ -92,7 +92,8 @@ class _JournaledModel:
     the draft reads this model's state between the two (an MTP draft)."""
 
     def __init__(self, model, caches, window, supplied=False, fuse=True):
-        from ..journal import Journal, has_recurrent_state
+        from mlx_lm_patches.mechanisms.journal import Journal
+        from mlx_lm_patches.mechanisms.caches import has_recurrent_state
 
         self._model = model
         self._caches = caches
@@ -115,8 +116,9 @@ class _JournaledModel:
 def _speculative_with_rollback(wrapped, instance, args, kwargs):
     from mlx_lm.models.cache import make_prompt_cache
 
-    from ..journal import has_recurrent_state
-    from ..speculative import bind_arguments, caller_parts
+    from mlx_lm_patches.mechanisms.caches import has_recurrent_state
+    from mlx_lm_patches.mechanisms.speculative import caller_parts
+    from mlx_lm_patches.mechanisms.calls import bind_arguments
 
     bound = bind_arguments(wrapped, args, kwargs)
     model, draft_model = bound.arguments["model"], bound.arguments["draft_model"]
@@ -172,8 +174,8 @@ def apply(p):
 
 def scenario():
     """Hybrid main models speculating with a rejecting hybrid draft and a dense draft."""
-    from ..scenarios import greedy, prompt_tokens, speculative_greedy
-    from ..testing.tiny_models import available_model_types, build_tiny_model
+    from mlx_lm_patches.demos.scenarios import greedy, prompt_tokens, speculative_greedy
+    from mlx_lm_patches.demos.tiny_models import available_model_types, build_tiny_model
 
     details = []
     for model_type in [t for t in ("qwen3_next", "lfm2", "mamba2") if t in available_model_types()]:

@@ -48,7 +48,7 @@ import logging
 import queue
 import sys
 
-from ..scenarios import Outcome
+from mlx_lm_patches.engine.contract import Outcome
 
 SERVER = "mlx_lm.server"
 

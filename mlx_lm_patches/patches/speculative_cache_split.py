@@ -33,14 +33,15 @@ Metal
 
 import sys
 
-from ..scenarios import Outcome
+from mlx_lm_patches.engine.contract import Outcome
 
 GENERATE = "mlx_lm.generate"
 CACHE = "mlx_lm.models.cache"
 
 
 def _split_by_cache_count(wrapped, instance, args, kwargs):
-    from ..speculative import ModelWithCaches, bind_arguments, split_prompt_cache
+    from mlx_lm_patches.mechanisms.speculative import ModelWithCaches, split_prompt_cache
+    from mlx_lm_patches.mechanisms.calls import bind_arguments
 
     bound = bind_arguments(wrapped, args, kwargs)
     prompt_cache = bound.arguments.get("prompt_cache")
@@ -103,8 +104,8 @@ def apply(p):
 
 def scenario():
     """nemotron_h (fewer caches than layers) speculating with a supplied combined prompt cache."""
-    from ..scenarios import speculative_greedy, greedy, prompt_tokens
-    from ..testing.tiny_models import available_model_types, build_tiny_model
+    from mlx_lm_patches.demos.scenarios import speculative_greedy, greedy, prompt_tokens
+    from mlx_lm_patches.demos.tiny_models import available_model_types, build_tiny_model
 
     if "nemotron_h" not in available_model_types():
         return Outcome.not_applicable("no nemotron_h in this mlx-lm")

@@ -24,7 +24,7 @@ Fix
     of this package carries the caller's caches, whichever order the wrappers stack in). When it
     ends - exhausted or closed - each part of the cache (``make_prompt_cache(model)``, then the
     draft's) is measured and moved until it holds exactly what it held before, the prompt and
-    every yielded token (``mlx_lm_patches/cache_sync.py``): missing tokens are fed through the
+    every yielded token (``mlx_lm_patches/mechanisms/cache_sync.py``): missing tokens are fed through the
     model's own forward in one pass; extra ones are trimmed (attention caches exactly, recurrent
     caches only through the journal of ``recurrent-rollback`` while it is attached; never a
     reset). Attention caches are measured by their offset, recurrent ones by that journal's
@@ -63,7 +63,7 @@ Metal
 import logging
 import sys
 
-from ..scenarios import Outcome
+from mlx_lm_patches.engine.contract import Outcome
 
 log = logging.getLogger("mlx_lm_patches")
 
@@ -72,7 +72,8 @@ CACHE = "mlx_lm.models.cache"
 
 
 def _sync_supplied_cache(wrapped, instance, args, kwargs):
-    from ..speculative import bind_arguments, caller_parts
+    from mlx_lm_patches.mechanisms.speculative import caller_parts
+    from mlx_lm_patches.mechanisms.calls import bind_arguments
 
     bound = bind_arguments(wrapped, args, kwargs)
     model, draft_model = bound.arguments["model"], bound.arguments["draft_model"]
@@ -88,7 +89,7 @@ def _sync_supplied_cache(wrapped, instance, args, kwargs):
 def _synced_steps(wrapped, args, kwargs, bound, parts):
     import mlx.core as mx
 
-    from ..cache_sync import CacheOutOfSync, CachePart
+    from mlx_lm_patches.mechanisms.cache_sync import CacheOutOfSync, CachePart
 
     main = CachePart("main", bound.arguments["model"], parts[0])
     draft = CachePart("draft", bound.arguments["draft_model"], parts[1])
@@ -122,7 +123,7 @@ def _synced_steps(wrapped, args, kwargs, bound, parts):
 
 
 def _bring_parts_to(main, draft, tokens, stream):
-    from ..cache_sync import CacheOutOfSync
+    from mlx_lm_patches.mechanisms.cache_sync import CacheOutOfSync
 
     if stream is None:
         stream = getattr(sys.modules.get(GENERATE), "generation_stream", None)
@@ -179,8 +180,8 @@ def apply(p):
 def scenario():
     """What mlx_lm.server does for a two-turn conversation with a draft model: decode turn 1
     speculatively into a supplied prompt cache, then continue that cache with turn 2."""
-    from ..scenarios import continue_after_speculation
-    from ..testing.tiny_models import DENSE_MODEL_TYPE, available_model_types, build_tiny_model
+    from mlx_lm_patches.demos.scenarios import continue_after_speculation
+    from mlx_lm_patches.demos.tiny_models import DENSE_MODEL_TYPE, available_model_types, build_tiny_model
 
     cases = [(DENSE_MODEL_TYPE, DENSE_MODEL_TYPE)]
     cases += [("qwen3_next", DENSE_MODEL_TYPE)] if "qwen3_next" in available_model_types() else []

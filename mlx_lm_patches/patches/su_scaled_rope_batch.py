@@ -12,7 +12,7 @@ Bug
 Fix
     With per-row offsets, each row gets the factors and input scale the stock method picks for
     that row's int offset (rows grouped by choice, ``mx.fast.rope`` with the group's per-row
-    offsets; see ``mlx_lm_patches/rope_rows.py``); the input is scaled into a new array instead of
+    offsets; see ``mlx_lm_patches/mechanisms/rope_rows.py``); the input is scaled into a new array instead of
     in place. An int offset runs the stock method. The choice also depends on how a prompt is cut
     into forward passes, so rows of different lengths are prefilled alone
     (``batch-prefill-per-row`` recognises the two-factor class); decoding stays batched.
@@ -34,7 +34,7 @@ Metal
 
 import sys
 
-from .. import rope_rows
+from mlx_lm_patches.mechanisms import rope_rows
 
 MODULE = "mlx_lm.models.rope_utils"
 PID = "su-scaled-rope-batch"
@@ -82,6 +82,6 @@ def apply(p):
 
 def scenario():
     """phi3 with longrope, three prompts batched with rows on both sides of the switch."""
-    from ..testing.tiny_rope_models import scenario_outcome
+    from mlx_lm_patches.demos.tiny_rope_models import scenario_outcome
 
     return scenario_outcome(PID, "phi3 longrope (SuScaledRoPE)")

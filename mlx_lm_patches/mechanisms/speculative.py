@@ -66,12 +66,3 @@ class ModelWithCaches:
 
     def __repr__(self):
         return f"<{type(self).__name__} of {type(self._model).__name__}>"
-
-
-def bind_arguments(function, args, kwargs):
-    """``inspect.signature(function).bind`` with defaults applied, as an editable dict."""
-    import inspect
-
-    bound = inspect.signature(function).bind(*args, **kwargs)
-    bound.apply_defaults()
-    return bound

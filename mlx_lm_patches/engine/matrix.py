@@ -53,9 +53,6 @@ class PatchSpec:
         """The module whose import decides this patch (the first target's module)."""
         return self.targets[0].split(":")[0]
 
-    def target_modules(self) -> Tuple[str, ...]:
-        return tuple(dict.fromkeys(t.split(":")[0] for t in self.targets))
-
     def affects(self, version: Version) -> bool:
         return self.affected.contains(version, prereleases=True)
 
@@ -102,7 +99,7 @@ class Matrix:
 
 
 def default_path() -> Path:
-    here = Path(__file__).resolve().parent
+    here = Path(__file__).resolve().parent.parent  # the package folder
     shipped = here / "compat_matrix.yaml"
     if shipped.is_file():
         return shipped

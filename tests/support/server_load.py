@@ -128,7 +128,7 @@ class LoadResult:
 def run_load(server, jobs: Sequence[list], concurrency: int = 8, max_tokens: int = 16,
              stream_every: int = 3, extra: Optional[dict] = None, timeout: float = 300.0,
              max_errors: Optional[int] = None) -> LoadResult:
-    """Send ``jobs`` (message lists) to ``server`` (``testing.server.Server``) from
+    """Send ``jobs`` (message lists) to ``server`` (``support.server.Server``) from
     ``concurrency`` threads, greedy (temperature 0); every ``stream_every``-th request streams.
     ``extra`` goes into each request body (e.g. ``repetition_penalty``); ``timeout`` bounds
     each request. After ``max_errors`` errors the requests not sent yet are not sent (each

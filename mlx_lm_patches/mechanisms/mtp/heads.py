@@ -30,7 +30,7 @@ saying what happened), so ``mlx_lm.convert``, LoRA and ``save`` behave exactly a
 import re
 from typing import Optional
 
-from .mtp_families import FAMILIES, HeadUnsupported, family_of
+from mlx_lm_patches.mechanisms.mtp.families import FAMILIES, HeadUnsupported, family_of
 
 MTP_KEY = re.compile(r"(^|\.)mtp\.")
 STASH = "_mlx_lm_patches_mtp_tensors"

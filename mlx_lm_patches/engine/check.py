@@ -11,9 +11,9 @@ import time
 from dataclasses import dataclass
 from typing import List, Optional
 
-from . import engine
-from .engine import State
-from .scenarios import Outcome
+from mlx_lm_patches.engine import core as engine
+from mlx_lm_patches.engine.core import State
+from mlx_lm_patches.engine.contract import Outcome
 
 
 @dataclass

@@ -22,7 +22,7 @@ row's), and rows at different offsets are refused with an error rather than deco
 positions.
 """
 
-from . import rope_rows
+from mlx_lm_patches.mechanisms import rope_rows
 
 
 class BatchedVisionPositions(NotImplementedError):

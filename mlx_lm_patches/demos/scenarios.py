@@ -5,34 +5,12 @@ The reference is single-sequence greedy decoding with a cold prefill through mlx
 :data:`LOGPROB_TOLERANCE` (CPU, float32).
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import List, Optional
 
+from mlx_lm_patches.engine.contract import Outcome  # noqa: F401  (scenario helpers return it)
+
 LOGPROB_TOLERANCE = 1e-4
-
-
-@dataclass
-class Outcome:
-    """What a scenario showed: ``ok`` True (correct), False (wrong or crashed), or None (not
-    applicable on this mlx-lm, e.g. a feature another bug blocks; ``summary`` says why)."""
-
-    ok: Optional[bool]
-    summary: str
-    details: List[str] = field(default_factory=list)
-
-    @classmethod
-    def not_applicable(cls, why: str):
-        return cls(None, why)
-
-    @classmethod
-    def failure(cls, summary: str, exc: Optional[BaseException] = None, details=()):
-        if exc is None:
-            text = summary
-        else:
-            lines = str(exc).strip().splitlines() or [""]
-            more = f" (+{len(lines) - 1} more lines)" if len(lines) > 1 else ""
-            text = f"{summary}: {type(exc).__name__}: {lines[0]}{more}"
-        return cls(False, text, list(details))
 
 
 @dataclass

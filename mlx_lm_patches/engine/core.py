@@ -21,8 +21,10 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Dict, Iterable, List, Optional
 
-from . import env, matrix, versions
-from .patching import Patcher
+from mlx_lm_patches.engine import env
+from mlx_lm_patches.engine import matrix
+from mlx_lm_patches.engine import versions
+from mlx_lm_patches.engine.patching import Patcher
 
 log = logging.getLogger("mlx_lm_patches")
 
@@ -321,9 +323,6 @@ class Engine:
 
     def rows(self) -> List[PatchStatus]:
         return [self.row(pid) for pid in self.records]
-
-    def is_active(self, pid: str) -> bool:
-        return self.records[pid].active
 
 
 def _strict() -> bool:

@@ -44,7 +44,7 @@ installed) are the lower-level interface engines built on mlx-lm call.
 import weakref
 from typing import List, Optional
 
-from .mtp_families import family_of
+from mlx_lm_patches.mechanisms.mtp.families import family_of
 
 HIDDEN_KINDS = ("post", "pre")
 FUSION_ORDERS = ("embedding-first", "hidden-first")  # order of the two halves fed to ``fc``
@@ -57,7 +57,7 @@ class MTPUnavailable(RuntimeError):
 
 def _position_leaf(cache):
     """The first attention cache of a prompt cache: its offset is the position."""
-    from .journal import flat_caches
+    from mlx_lm_patches.mechanisms.caches import flat_caches
 
     for leaf in flat_caches(cache or []):
         if isinstance(getattr(leaf, "offset", None), int):

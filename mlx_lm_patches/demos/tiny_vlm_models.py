@@ -3,14 +3,14 @@
 Built in memory from a config dict through mlx-vlm's own classes (``get_model_and_args``,
 ``ModelConfig.from_dict``, ``update_module_configs``, ``Model``) - no download, no weights file -
 with every floating-point parameter replaced by a deterministic pseudo-random value
-(:func:`mlx_lm_patches.testing.tiny_models._randomize_parameters`). Text model: hidden size 64,
+(:func:`mlx_lm_patches.demos.tiny_models._randomize_parameters`). Text model: hidden size 64,
 vocabulary 256; Qwen3.5 (and Qwen3.5-MoE, 4 experts) has 4 layers (gated-delta, attention,
 gated-delta, attention), Qwen3-VL 2 attention layers. The vision tower is one small block;
 text-only generation never runs it.
 
 The checks compare batched text generation with the model's single-sequence path, mlx-vlm's
 ``generate_step`` of each prompt alone: the same greedy tokens and log-probabilities within
-:data:`mlx_lm_patches.scenarios.LOGPROB_TOLERANCE`. Two batched paths:
+:data:`mlx_lm_patches.demos.scenarios.LOGPROB_TOLERANCE`. Two batched paths:
 
 * :func:`vlm_batched` - mlx-vlm's own ``BatchGenerator`` fed as ``batch_generate`` feeds it
   (left-padded token rows and their embeddings from ``get_input_embeddings``), except that the
@@ -71,7 +71,7 @@ def build(model_type: str, seed: int = 1):
     import mlx.core as mx
     from mlx_vlm.utils import get_model_and_args, update_module_configs
 
-    from .tiny_models import _randomize_parameters
+    from mlx_lm_patches.demos.tiny_models import _randomize_parameters
 
     cfg = config(model_type)
     arch, _ = get_model_and_args(cfg)
@@ -85,7 +85,7 @@ def build(model_type: str, seed: int = 1):
 
 
 def prompts() -> List[List[int]]:
-    from ..scenarios import prompt_tokens
+    from mlx_lm_patches.demos.scenarios import prompt_tokens
 
     return [prompt_tokens(n, seed=n) for n in PROMPT_LENGTHS]
 
@@ -95,7 +95,7 @@ def single(model, prompt, max_tokens: int = MAX_TOKENS):
     import mlx.core as mx
     from mlx_vlm.generate import generate_step
 
-    from ..scenarios import Decoded
+    from mlx_lm_patches.demos.scenarios import Decoded
 
     tokens, logprobs = [], []
     steps = generate_step(mx.array([prompt]), model, None, None, max_tokens=max_tokens)
@@ -115,7 +115,7 @@ def vlm_batched(model, rows, max_tokens: int = MAX_TOKENS):
     from mlx_vlm.generate import BatchGenerator
     from mlx_vlm.utils import StoppingCriteria
 
-    from ..scenarios import Decoded
+    from mlx_lm_patches.demos.scenarios import Decoded
 
     order = sorted(range(len(rows)), key=lambda i: len(rows[i]))  # the generator's own order
     width = max(len(r) for r in rows)
@@ -169,7 +169,7 @@ class LanguageModelAdapter:
 
 def mlx_lm_batched(model, rows, max_tokens: int = MAX_TOKENS):
     """``rows`` decoded together by mlx-lm's ``BatchGenerator`` driving the language model."""
-    from ..scenarios import batched_greedy
+    from mlx_lm_patches.demos.scenarios import batched_greedy
 
     model.language_model._position_ids = model.language_model._rope_deltas = None  # text only
     return batched_greedy(LanguageModelAdapter(model.language_model), rows, max_tokens=max_tokens)
@@ -188,7 +188,7 @@ def batched_problem(model, model_type, run=vlm_batched) -> Optional[str]:
 
 
 def scenario_outcome(model_type: str):
-    from ..scenarios import Outcome
+    from mlx_lm_patches.engine.contract import Outcome
 
     if not available(model_type):
         return Outcome.not_applicable(f"mlx-vlm with {model_type} is not installed")

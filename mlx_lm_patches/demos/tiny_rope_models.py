@@ -1,14 +1,14 @@
 """Tiny random-weight models whose rotary frequencies depend on the sequence length, and the
 batched-generation check they need.
 
-The rotary classes listed in :mod:`mlx_lm_patches.rope_rows` switch frequencies once
+The rotary classes listed in :mod:`mlx_lm_patches.mechanisms.rope_rows` switch frequencies once
 ``offset + L`` passes a threshold (``max_position_embeddings``, or
 ``original_max_position_embeddings`` for longrope). A tiny model only shows whether batching
 gives each row its own frequencies if the rows straddle that threshold, so every config here sets
 it low:
 
 * ``THRESHOLD_IN_DECODE`` (12): prompts of 5, 9 and 13 tokens prefill below it (cold or continued
-  from a cache of 3-6 tokens, so :func:`mlx_lm_patches.scenarios.batching_situations` applies
+  from a cache of 3-6 tokens, so :func:`mlx_lm_patches.demos.scenarios.batching_situations` applies
   unchanged), and the rows cross it at different decode steps.
 * ``THRESHOLD_IN_PREFILL`` (8, internlm 3): the longer prompts cross it during the prefill, so a
   row prefilled padded to another row's length would get that length's frequencies.
@@ -22,7 +22,7 @@ it low:
 
 from typing import Any, Dict, List, Optional, Tuple
 
-from . import tiny_models
+from mlx_lm_patches.demos import tiny_models
 
 THRESHOLD_IN_DECODE = 12
 THRESHOLD_IN_PREFILL = 8
@@ -116,7 +116,7 @@ def batching_check(model, model_type) -> Optional[str]:
     once, one inserted while the others decode, and continued from prompt caches holding their
     first 3/6/4 tokens - each row against single-sequence greedy decoding through the same forward
     passes. ``None`` if every row is exact, else what differs."""
-    from ..scenarios import batched_greedy, first_problem, greedy, prompt_tokens, split_prefilled
+    from mlx_lm_patches.demos.scenarios import batched_greedy, first_problem, greedy, prompt_tokens, split_prefilled
 
     prompts = [prompt_tokens(n, seed=n) for n in (5, 9, 13)]
     splits = (3, 6, 4)
@@ -136,7 +136,7 @@ def scenario_outcome(pid: str, label: str):
     """The scenario of the rotary patch ``pid``: its tiny models (threshold crossed in the prefill
     by the longer prompts and in the decode by the shorter ones) batched, each row equal to
     single-sequence decoding (:func:`batching_check`)."""
-    from ..scenarios import Outcome
+    from mlx_lm_patches.engine.contract import Outcome
 
     built, skipped = buildable(pid, "prefill")
     if not built:

@@ -24,6 +24,8 @@ not be reused as holding those tokens.
 import logging
 from typing import List, Optional
 
+from mlx_lm_patches.mechanisms.caches import arrays_cache_class, flat_caches, int_offset
+
 log = logging.getLogger("mlx_lm_patches")
 
 
@@ -31,32 +33,20 @@ class CacheOutOfSync(RuntimeError):
     """A supplied prompt cache cannot be brought to hold exactly the tokens generated with it."""
 
 
-def _arrays_cache_class():
-    import sys
-
-    return sys.modules["mlx_lm.models.cache"].ArraysCache
-
-
-def _int_offset(cache) -> Optional[int]:
-    offset = getattr(cache, "offset", None)
-    return offset if isinstance(offset, int) and not isinstance(offset, bool) else None
-
-
 class CachePart:
     """One model's caches in a prompt cache, and how far they have advanced since
     :meth:`begin`. ``model`` is what feeds them (the model, or a stand-in that forwards calls)."""
 
     def __init__(self, role: str, model, caches):
-        from .journal import flat_caches
 
         self.role = role
         self.model = model
         self.caches = list(caches)
-        arrays_cache = _arrays_cache_class()
+        arrays_cache = arrays_cache_class()
         leaves = flat_caches(self.caches)
         self.recurrent = [c for c in leaves if isinstance(c, arrays_cache)]
-        self.attention = [c for c in leaves if not isinstance(c, arrays_cache) and _int_offset(c) is not None]
-        self.unknown = [c for c in leaves if not isinstance(c, arrays_cache) and _int_offset(c) is None]
+        self.attention = [c for c in leaves if not isinstance(c, arrays_cache) and int_offset(c) is not None]
+        self.unknown = [c for c in leaves if not isinstance(c, arrays_cache) and int_offset(c) is None]
         self.journal = None
         self._starts: List[int] = []
         self._recurrent_moved = 0  # tokens fed (+) or trimmed (-) by us after the journal's count
@@ -64,12 +54,12 @@ class CachePart:
     # -- measuring --------------------------------------------------------------------------
     def begin(self) -> None:
         """Remember where the attention caches are now (before the generator runs)."""
-        self._starts = [_int_offset(c) for c in self.attention]
+        self._starts = [int_offset(c) for c in self.attention]
 
     def find_journal(self) -> None:
         """Remember the journal of the recurrent caches, if one is attached now (call while the
         speculative loop is suspended: ``recurrent-rollback`` detaches it when the loop ends)."""
-        from .journal import journal_of
+        from mlx_lm_patches.mechanisms.journal import journal_of
 
         if self.recurrent and self.journal is None:
             self.journal = journal_of(self.caches)
@@ -90,7 +80,7 @@ class CachePart:
             self.journal.flush()  # tokens a rollback left to the next pass are re-run now
         seen = {}
         for cache, start in zip(self.attention, self._starts):
-            seen.setdefault("attention", set()).add(_int_offset(cache) - start)
+            seen.setdefault("attention", set()).add(int_offset(cache) - start)
         if self.recurrent and self.journal is not None:
             seen["recurrent"] = {self.journal.pos + self._recurrent_moved}
         return seen
@@ -142,7 +132,7 @@ class CachePart:
     def _trim(self, n):
         import sys
 
-        from .journal import RollbackRefused, journal_of
+        from mlx_lm_patches.mechanisms.journal import RollbackRefused, journal_of
 
         if self.recurrent and journal_of(self.caches) is None:
             raise CacheOutOfSync(

@@ -34,7 +34,9 @@ import threading
 import weakref
 from typing import List, Optional
 
-from .env import ROLLBACK_SNAPSHOTS as SNAPSHOTS_ENV
+from mlx_lm_patches.engine.env import ROLLBACK_SNAPSHOTS as SNAPSHOTS_ENV
+from mlx_lm_patches.mechanisms.caches import (
+    arrays, arrays_cache_class, flat_caches, int_offset, recurrent_caches, same_objects)
 
 DEFAULT_MAX_SNAPSHOTS = 32
 
@@ -48,36 +50,9 @@ class RollbackRefused(RuntimeError):
 
 def max_snapshots(environ=None) -> int:
     """The snapshot bound from ``MLX_LM_PATCHES_ROLLBACK_SNAPSHOTS``."""
-    from .env import ROLLBACK_SNAPSHOTS, positive_int
+    from mlx_lm_patches.engine.env import ROLLBACK_SNAPSHOTS, positive_int
 
     return positive_int(ROLLBACK_SNAPSHOTS, DEFAULT_MAX_SNAPSHOTS, environ)
-
-
-def flat_caches(caches) -> list:
-    """The leaf caches of a prompt cache, with ``CacheList`` entries expanded in order."""
-    out = []
-    for cache in caches:
-        inner = getattr(cache, "caches", None)
-        if isinstance(inner, (list, tuple)):
-            out.extend(flat_caches(inner))
-        else:
-            out.append(cache)
-    return out
-
-
-def _arrays_cache_class():
-    import sys
-
-    return sys.modules["mlx_lm.models.cache"].ArraysCache
-
-
-def recurrent_caches(caches) -> list:
-    arrays_cache = _arrays_cache_class()
-    return [c for c in flat_caches(caches) if isinstance(c, arrays_cache)]
-
-
-def has_recurrent_state(caches) -> bool:
-    return bool(recurrent_caches(caches))
 
 
 def journal_of(caches) -> Optional["Journal"]:
@@ -109,26 +84,6 @@ def _restore(cache, saved):
         cache.left_padding = left_padding
     if hasattr(cache, "lengths"):
         cache.lengths = lengths
-
-
-def _same_slots(cache, saved) -> bool:
-    slots = cache.cache
-    return len(slots) == len(saved[0]) and all(a is b for a, b in zip(slots, saved[0]))
-
-
-def _arrays(value):
-    import mlx.core as mx
-
-    if isinstance(value, mx.array):
-        yield value
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _arrays(item)
-
-
-def _kv_offset(cache) -> Optional[int]:
-    offset = getattr(cache, "offset", None)
-    return offset if isinstance(offset, int) else None
 
 
 class _Snapshot:
@@ -255,17 +210,17 @@ class Journal:
 
     def _kv_bases(self, caches):
         bases = []
-        arrays_cache = _arrays_cache_class()
+        arrays_cache = arrays_cache_class()
         for cache in flat_caches(caches):
             if isinstance(cache, arrays_cache):
                 continue
-            offset = _kv_offset(cache)
+            offset = int_offset(cache)
             bases.append(None if offset is None else offset - self.pos)
         return bases
 
     def _consistent(self, caches) -> bool:
         if self._after is not None:
-            if not all(_same_slots(c, s) for c, s in zip(self.recurrent, self._after)):
+            if not all(same_objects(c.cache, s[0]) for c, s in zip(self.recurrent, self._after)):
                 return False
         elif self._snapshots:
             return False
@@ -284,10 +239,10 @@ class Journal:
             index = next(i for i, c in enumerate(self.recurrent) if c is cache)
         except StopIteration:
             return 0
-        live = {id(a) for a in _arrays(cache.cache)}
+        live = {id(a) for a in arrays(cache.cache)}
         seen, total = set(), 0
         for snap in self._snapshots:
-            for array in _arrays(snap.states[index][0]):
+            for array in arrays(snap.states[index][0]):
                 if id(array) not in live and id(array) not in seen:
                     seen.add(id(array))
                     total += array.nbytes
@@ -314,7 +269,7 @@ class Journal:
         snap = self._snapshots[index]
         replay = self._tokens_since(index)[:, : target - snap.pos]
         back = self.pos - snap.pos
-        arrays_cache = _arrays_cache_class()
+        arrays_cache = arrays_cache_class()
         for cache in flat_caches(caches):
             if not isinstance(cache, arrays_cache):
                 cache.trim(back)
@@ -348,11 +303,11 @@ class Journal:
             )
         snap = max((s for s in self._snapshots if s.pos <= target), key=lambda s: s.pos)
         back = self.pos - snap.pos
-        arrays_cache = _arrays_cache_class()
+        arrays_cache = arrays_cache_class()
         for cache in flat_caches(caches):
             if isinstance(cache, arrays_cache):
                 continue
-            offset = _kv_offset(cache)
+            offset = int_offset(cache)
             if offset is None or not cache.is_trimmable() or offset < back:
                 return f"{type(cache).__name__} cannot drop its last {back} tokens"
         return None

@@ -103,7 +103,7 @@ def nemotron_mtp_pattern():
     """``"*E"`` (Nemotron 3 Super's MTP blocks) where this mlx-lm has MoE blocks, else ``"*-"``."""
     from mlx_lm.models.nemotron_h import ModelArgs, NemotronHBlock
 
-    from .tiny_models import tiny_config
+    from mlx_lm_patches.demos.tiny_models import tiny_config
 
     args = ModelArgs.from_dict(dict(tiny_config("nemotron_h"), **NEMOTRON_MOE))
     return "*E" if "mixer" in NemotronHBlock(args, "E") else "*-"
@@ -163,9 +163,9 @@ def write_mtp_checkpoint(root, family, *, form="mlx", quantized=False, placement
     import mlx.nn as nn
     from mlx.utils import tree_flatten
 
-    from ..mtp_heads import build
-    from .model_folder import write_model_folder
-    from .tiny_models import build_tiny_model, tiny_config
+    from mlx_lm_patches.mechanisms.mtp.heads import build
+    from mlx_lm_patches.demos.model_folder import write_model_folder
+    from mlx_lm_patches.demos.tiny_models import build_tiny_model, tiny_config
 
     dtype = getattr(mx, dtype)
     config = tiny_config(family)

@@ -17,8 +17,9 @@ USAGE = "usage: mlx-lm-patches-run COMMAND [ARGS...]   e.g. mlx-lm-patches-run m
 
 def environment(base=None) -> dict:
     environ = dict(os.environ if base is None else base)
-    package_parent = str(Path(__file__).resolve().parent.parent)
-    site_dir = str(Path(__file__).resolve().parent / "_sitecustomize")
+    package = Path(__file__).resolve().parent.parent
+    package_parent = str(package.parent)
+    site_dir = str(package / "_sitecustomize")
     parts = [site_dir, package_parent] + [
         p for p in environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in (site_dir, package_parent)
     ]

@@ -1,0 +1,46 @@
+"""What a patch module provides, and what its scenario returns.
+
+A patch is a module ``mlx_lm_patches.patches.<id with underscores>`` named by its entry in
+``compat_matrix.yaml``. Its docstring says the bug, the fix, the affected versions, the upstream
+link and when it can be retired (paragraphs headed ``Bug``, ``Fix``, ``Affected``, ``Upstream``
+and ``Retire``, each on a line of its own), and it defines:
+
+* ``probe()`` – cheap and side-effect free; runs once the anchor module is imported. Returns a
+  truthy value (a string: the evidence) when the bug is present, falsy when it is absent; a
+  target that no longer exists means "not needed" (falsy), never an exception.
+* ``apply(p)`` – installs the fix through the :class:`~mlx_lm_patches.engine.patching.Patcher`
+  ``p``; the engine reverts it through the same record.
+* ``scenario()`` – what a user does, on a tiny model: returns an :class:`Outcome`, ``ok`` when
+  mlx-lm behaves correctly. ``check`` runs it without and with the patch; the tests run it per
+  mlx-lm release.
+"""
+
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+REQUIRED = ("probe", "apply", "scenario")
+DOCSTRING_SECTIONS = ("Bug", "Fix", "Affected", "Upstream", "Retire")
+
+
+@dataclass
+class Outcome:
+    """What a scenario showed: ``ok`` True (correct), False (wrong or crashed), or None (not
+    applicable on this mlx-lm, e.g. a feature another bug blocks; ``summary`` says why)."""
+
+    ok: Optional[bool]
+    summary: str
+    details: List[str] = field(default_factory=list)
+
+    @classmethod
+    def not_applicable(cls, why: str):
+        return cls(None, why)
+
+    @classmethod
+    def failure(cls, summary: str, exc: Optional[BaseException] = None, details=()):
+        if exc is None:
+            text = summary
+        else:
+            lines = str(exc).strip().splitlines() or [""]
+            more = f" (+{len(lines) - 1} more lines)" if len(lines) > 1 else ""
+            text = f"{summary}: {type(exc).__name__}: {lines[0]}{more}"
+        return cls(False, text, list(details))
