@@ -73,3 +73,46 @@ def states():
     import mlx_lm_patches
 
     return {row.id: row.state for row in mlx_lm_patches.status()}
+
+
+def shared_targets(applied_only=True):
+    """{target: [patch ids]} of the targets more than one patch declares (applied ones only,
+    by default), in matrix order."""
+    live = states()
+    by_target = {}
+    for pid, target in _targets():
+        if applied_only and live.get(pid) != "applied":
+            continue
+        by_target.setdefault(target, []).append(pid)
+    return {t: ids for t, ids in by_target.items() if len(ids) > 1}
+
+
+def assert_layers_ok():
+    """On every declared target: at most one layer per patch, only layers of applied patches,
+    and the layers in the declared order (a patch ``after`` another stays outside it)."""
+    from mlx_lm_patches.engine.patching import layers
+
+    the_matrix = matrix.load()
+    live = states()
+    seen = set()
+    for _, target in _targets():
+        owner, attr = owner_of_or_none(target)
+        if owner is None or target in seen:
+            continue
+        seen.add(target)
+        ids = [layer.patch_id for layer in layers(owner, attr)]
+        assert len(ids) == len(set(ids)), f"{target}: a patch layered twice: {ids}"
+        stale = [pid for pid in ids if live.get(pid) != "applied"]
+        assert not stale, f"{target}: layers of patches not applied: {stale} in {ids}"
+        for i, outer in enumerate(ids):
+            for inner in ids[i + 1:]:
+                assert inner not in the_matrix.later_than(outer), \
+                    f"{target}: {inner} is declared after {outer} but lies inside it: {ids}"
+        # every wrapper reachable from the live attribute is one of the layers
+        obj, wrappers = vars(owner).get(attr, MISSING), []
+        while obj is not MISSING and obj is not None and installed_by(obj):
+            wrappers.append(installed_by(obj))
+            obj = getattr(obj, "__wrapped__", None)
+        assert len(wrappers) == len(set(wrappers)), f"{target}: wrapped twice: {wrappers}"
+        assert not [w for w in wrappers if live.get(w) != "applied"], \
+            f"{target}: a reverted patch's wrapper is still live: {wrappers}"

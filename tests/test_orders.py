@@ -66,3 +66,85 @@ def test_order(order, auto):
     ran = run_python(code, env=env)
     assert ran.returncode == 0, ran.stderr[-3000:]
     assert ran.stdout.strip() == "ok"
+
+
+# -- patches sharing a target: subsets and interleavings -------------------------------------
+
+def _release(text):
+    from packaging.version import Version
+
+    return Version(text)
+
+
+def _shared_pairs(versions):
+    """{(a, b): [targets]} for patches that share a target and can both be active on one of
+    ``versions`` (their affected ranges both contain it), a before b in matrix order."""
+    from mlx_lm_patches.engine import matrix
+
+    the_matrix = matrix.load()
+    pairs = {}
+    specs = the_matrix.patches
+    for i, a in enumerate(specs):
+        for b in specs[i + 1:]:
+            shared = [t for t in a.targets if t in b.targets]
+            if shared and any(a.affects(v) and b.affects(v) for v in versions):
+                pairs[(a.id, b.id)] = shared
+    return pairs
+
+
+def test_every_shared_target_has_a_declared_order():
+    from mlx_lm_patches.engine import matrix
+
+    the_matrix = matrix.load()
+    tested = [_release(t.mlx_lm) for t in the_matrix.tested_versions]
+    pairs = _shared_pairs(tested)
+    assert len({t for targets in pairs.values() for t in targets}) >= 8
+    missing = [f"{a} / {b} on {targets}" for (a, b), targets in pairs.items()
+               if not the_matrix.ordered(a, b)]
+    assert not missing, "declare `after:` for patches sharing a target: " + "; ".join(missing)
+
+
+def _installed_pairs():
+    from importlib.metadata import version
+
+    return sorted(_shared_pairs([_release(version("mlx-lm"))]))
+
+
+INTERLEAVE = """
+import mlx_lm_patches, child
+import mlx_lm, mlx_lm.generate, mlx_lm.models.cache
+from mlx_lm_patches.engine import core
+original = child.snapshot()
+a, b = {a!r}, {b!r}
+mlx_lm_patches.apply()
+states = child.states()
+if states[a] != "applied" or states[b] != "applied":
+    print("skip", states[a], states[b])
+    raise SystemExit(0)
+child.assert_layers_ok()
+for step, ids in (("revert", [a]), ("apply", [a]), ("revert", [b]), ("apply", [b])):
+    getattr(mlx_lm_patches, step)(ids)
+    child.assert_layers_ok()
+    child.assert_not_double_wrapped()
+    now = child.states()
+    want = "reverted" if step == "revert" else "applied"
+    assert now[ids[0]] == want, (step, ids, now[ids[0]])
+    other = b if ids[0] == a else a
+    assert now[other] == "applied", (step, ids, other, now[other])
+outcome = core.get().patch_module({scenario!r}).scenario()
+assert outcome is None or outcome.ok, outcome
+mlx_lm_patches.revert()
+child.assert_restored(original)
+child.assert_layers_ok()
+assert not [r for r in mlx_lm_patches.status() if r.state == "reverted" and "replaced" in r.detail]
+print("ok")
+"""
+
+@pytest.mark.parametrize("pair", _installed_pairs(), ids=lambda p: "+".join(p))
+def test_shared_target_interleaving(pair):
+    a, b = pair
+    scenario = a if b == "recurrent-rollback" else b  # one scenario is enough: both are on
+    code = INTERLEAVE.format(a=a, b=b, scenario=scenario)
+    ran = run_python(code, env={"PYTHONPATH": str(REPO / "tests"), "MLX_LM_PATCHES": "0"})
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert ran.stdout.strip().splitlines()[-1] == "ok" or ran.stdout.startswith("skip"), ran.stdout

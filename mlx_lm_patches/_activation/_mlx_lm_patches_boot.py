@@ -95,16 +95,26 @@ def _dash_m_module():
     return name if name.startswith("mlx_lm.") and name.count(".") == 1 else None
 
 
+_TAG = "__mlx_lm_patches_id__"
+_HOOK = "activation: python -m"
+
+
 def _run_as_console_script(name):
     """``python -m mlx_lm.generate`` (deprecated upstream) executes a *second* copy of
     generate.py as ``__main__``, beside the ``mlx_lm.generate`` that ``import mlx_lm`` loads and
     that the patches fix; the copy would run unpatched. Run it the way mlx-lm's console script
-    ``mlx_lm.generate`` does instead: ``main()`` of the imported module."""
+    ``mlx_lm.generate`` does instead: ``main()`` of the imported module.
+
+    The hook on ``runpy._run_module_as_main`` is one-shot: the interpreter calls it once, before
+    any user code, and it puts the stock function back first. Until then ``console_hook()``
+    reports it (the engine lists it in ``changes()``) and ``unhook()`` (the engine's
+    ``revert()``) removes it."""
     import runpy
 
     stock = runpy._run_module_as_main
 
     def _run_module_as_main(mod_name, alter_argv=True):
+        unhook()
         if mod_name != name:
             return stock(mod_name, alter_argv)
         import importlib
@@ -117,7 +127,26 @@ def _run_as_console_script(name):
             sys.argv[0] = module.__file__
         sys.exit(main())
 
+    setattr(_run_module_as_main, _TAG, _HOOK)
+    _run_module_as_main.stock = stock
+    _run_module_as_main.module = name
     runpy._run_module_as_main = _run_module_as_main
+
+
+def console_hook():
+    """The ``python -m mlx_lm.X`` hook when it is still on ``runpy``, else ``None``."""
+    runpy = sys.modules.get("runpy")
+    hook = getattr(runpy, "_run_module_as_main", None) if runpy is not None else None
+    return hook if getattr(hook, _TAG, None) == _HOOK else None
+
+
+def unhook():
+    """Put the stock ``runpy._run_module_as_main`` back (if the hook is ours and still there)."""
+    hook = console_hook()
+    if hook is not None:
+        sys.modules["runpy"]._run_module_as_main = hook.stock
+        return True
+    return False
 
 
 def arm(source="pth"):

@@ -12,11 +12,26 @@ one), so the matrix stays truthful. Operations on modules that are not imported 
 deferred until the import (post-import hook) – the engine wires that up. Each operation records
 what it replaced so :meth:`Patcher.revert` restores the original objects, and tags what it
 installed so the engine never double-wraps and only reverts its own objects.
+
+Patches may share a target. Each live object of ours on an attribute is a *layer*; the layers
+of one attribute form a chain (outermost first) kept in a registry, so a layer anywhere in the
+chain can be taken out (its outer neighbour is relinked to what it wrapped) and a patch applied
+again is put back at its declared place (``after:`` in the matrix: a later patch stays outside
+the ones it is after) - never a second wrapper of one patch on one attribute.
+
+Changes that do not live on a module or class attribute go through the patcher too, so status
+shows them and revert undoes them:
+
+* ``p.track(obj, undo, what)`` – a change made to one object (e.g. a loaded model); ``undo(obj)``
+  runs on revert if the object is still alive.
+* ``p.memo`` – a dict for state a patch keeps between calls (e.g. the last loaded model); it is
+  cleared on revert and its keys are listed in status.
 """
 
 import sys
+import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Dict, FrozenSet, List, Optional
 
 TAG = "_self_mlx_lm_patches_id"  # on our wrapt proxies (wrapt keeps _self_* on the proxy)
 SET_TAG = "__mlx_lm_patches_id__"  # on functions/classes we install with set()
@@ -60,34 +75,128 @@ def installed_by(obj) -> Optional[str]:
     return tag if isinstance(tag, str) else None
 
 
-@dataclass
+@dataclass(eq=False)
 class Op:
     kind: str  # "wrap" or "set"
     target: str
     owner: Any
     attr: str
-    original: Any  # what owner.__dict__ held, or MISSING
+    original: Any  # what owner.__dict__ held under this layer (another layer of ours), or MISSING
     installed: Any
+    patch_id: str = ""
 
     def in_place(self) -> bool:
-        """Our object is the live attribute, or is wrapped only by other patches of ours
-        (patches stacked on one target, e.g. two wrappers of ``speculative_generate_step``)."""
-        current = vars(self.owner).get(self.attr, MISSING)
-        while current is not self.installed:
-            if installed_by(current) is None or getattr(current, "__wrapped__", None) is None:
-                return False
-            current = current.__wrapped__
-        return True
+        """Our object is the live attribute, or lies under other layers of ours only (patches
+        stacked on one target, e.g. wrappers of ``speculative_generate_step``)."""
+        return _chain_to(self) is not None
 
     def undo(self) -> Optional[str]:
-        """Restore the original; returns a note when someone else has replaced our object."""
-        if vars(self.owner).get(self.attr, MISSING) is not self.installed:
-            return f"{self.target} was replaced by someone else; left as is"
-        if self.original is MISSING:
-            delattr(self.owner, self.attr)
+        """Take this layer out (restoring the original when it is the last one); returns a note
+        when someone else has replaced our object."""
+        path = _chain_to(self)
+        if path is None:
+            _forget(self)
+            return f"{self.target} was replaced by someone else; left as is (switched off)"
+        parent = path[-1] if path else None
+        below = self.original
+        if parent is None:
+            if below is MISSING:
+                if self.attr in vars(self.owner):
+                    delattr(self.owner, self.attr)
+            else:
+                setattr(self.owner, self.attr, below)
         else:
-            setattr(self.owner, self.attr, self.original)
+            parent.original = below
+            if _links(parent.installed):
+                inner = self.installed.__wrapped__ if _links(self.installed) else (
+                    below if below is not MISSING else _beneath(self.owner, self.attr, self.target))
+                parent.installed.__wrapped__ = inner
+        _forget(self)
         return None
+
+
+class Instance:
+    """A change a patch made to one object outside the targets (``Patcher.track``)."""
+
+    def __init__(self, obj, undo: Callable[[Any], None], what: str):
+        try:
+            self.ref = weakref.ref(obj)
+        except TypeError:
+            self.ref = lambda obj=obj: obj
+        self.undo, self.what = undo, what
+
+    def alive(self) -> bool:
+        return self.ref() is not None
+
+
+# -- the layers of ours on each attribute ---------------------------------------------------
+_LAYERS: Dict[tuple, List[Op]] = {}  # (id(owner), attr) -> live layers
+
+
+def _key(owner, attr):
+    return (id(owner), attr)
+
+
+def _layer(owner, attr, obj) -> Optional[Op]:
+    for op in _LAYERS.get(_key(owner, attr), ()):
+        if op.installed is obj:
+            return op
+    return None
+
+
+def _remember(op: Op) -> None:
+    _LAYERS.setdefault(_key(op.owner, op.attr), []).append(op)
+
+
+def _forget(op: Op) -> None:
+    layers = _LAYERS.get(_key(op.owner, op.attr))
+    if layers is not None:
+        layers[:] = [o for o in layers if o is not op]
+        if not layers:
+            del _LAYERS[_key(op.owner, op.attr)]
+
+
+def _chain_to(op: Op) -> Optional[List[Op]]:
+    """The layers of ours above ``op``, outermost first, or ``None`` if ``op`` is not reached
+    from the live attribute through layers of ours."""
+    path: List[Op] = []
+    current = vars(op.owner).get(op.attr, MISSING)
+    while current is not op.installed:
+        layer = _layer(op.owner, op.attr, current)
+        if layer is None:
+            return None
+        path.append(layer)
+        current = layer.original
+    return path
+
+
+def layers(owner, attr) -> List[Op]:
+    """The live layers of ours on ``owner.attr``, outermost first (what tests inspect)."""
+    out, current = [], vars(owner).get(attr, MISSING)
+    while True:
+        layer = _layer(owner, attr, current)
+        if layer is None:
+            return out
+        out.append(layer)
+        current = layer.original
+
+
+def _links(obj) -> bool:
+    """Whether ``obj`` calls what it sits on through a settable ``__wrapped__`` (a wrapt proxy of
+    ours, a stacked property) rather than replacing it."""
+    import wrapt
+
+    return isinstance(obj, (wrapt.FunctionWrapper, _StackedProperty))
+
+
+def _beneath(owner, attr, target):
+    """What ``owner.attr`` resolves to without ``owner``'s own entry (a base class's)."""
+    if isinstance(owner, type):
+        for klass in owner.__mro__[1:]:
+            if attr in vars(klass):
+                return vars(klass)[attr]
+        raise AttributeError(f"cannot wrap {target}: no such attribute")
+    return _static_lookup(owner, attr, target)
 
 
 class TargetNotDeclared(ValueError):
@@ -99,8 +208,11 @@ class Patcher:
     patch_id: str
     declared: tuple
     is_active: Callable[[], bool]
+    outer: FrozenSet[str] = frozenset()  # patches declared after this one: their layers stay outside
     ops: List[Op] = field(default_factory=list)
     deferred: List[tuple] = field(default_factory=list)  # (module name, thunk, target)
+    instances: List[Instance] = field(default_factory=list)
+    memo: Dict[str, Any] = field(default_factory=dict)
 
     # -- public API for patch modules -------------------------------------------------------
     def wrap(self, target: str, wrapper: Callable) -> None:
@@ -113,6 +225,11 @@ class Patcher:
         """An already imported module (patch code should not import mlx-lm modules itself)."""
         return sys.modules[name]
 
+    def track(self, obj, undo: Callable[[Any], None], what: str) -> None:
+        """Record a change made to ``obj`` (not a target): ``undo(obj)`` runs on revert."""
+        self.instances = [i for i in self.instances if i.alive()]
+        self.instances.append(Instance(obj, undo, what))
+
     # -- engine side ------------------------------------------------------------------------
     def revert(self) -> List[str]:
         notes = []
@@ -120,13 +237,33 @@ class Patcher:
             note = op.undo()
             if note:
                 notes.append(note)
+        for change in reversed(self.instances):
+            obj = change.ref()
+            if obj is None:
+                continue
+            try:
+                change.undo(obj)
+            except Exception as exc:  # one object's undo must not stop the rest
+                notes.append(f"undoing {change.what} failed: {type(exc).__name__}: {exc}")
         self.ops.clear()
         self.deferred.clear()
+        self.instances.clear()
+        self.memo.clear()
         return notes
 
     def in_place(self) -> List[str]:
         """Targets whose installed object is no longer the live attribute."""
         return [op.target for op in self.ops if not op.in_place()]
+
+    def outside(self) -> List[str]:
+        """What this patch holds beyond its targets: changes on live objects, kept state."""
+        counts: Dict[str, int] = {}
+        for change in self.instances:
+            if change.alive():
+                counts[change.what] = counts.get(change.what, 0) + 1
+        held = [f"{what} (x{n})" if n > 1 else what for what, n in counts.items()]
+        held += [f"holds {key}" for key, value in self.memo.items() if value is not None]
+        return held
 
     # -- internals --------------------------------------------------------------------------
     def _check_declared(self, target: str) -> None:
@@ -146,30 +283,75 @@ class Patcher:
         else:
             self.deferred.append((module_name, thunk, target))
 
+    def _place(self, owner, attr):
+        """Where a new layer of this patch goes: under the layers of patches declared after it.
+        Returns (the layer above it or None, what it sits on: an object or MISSING)."""
+        parent, current = None, vars(owner).get(attr, MISSING)
+        while True:
+            layer = _layer(owner, attr, current)
+            if layer is None or layer.patch_id not in self.outer:
+                return parent, current
+            parent, current = layer, layer.original
+
+    def _link(self, owner, attr, parent, obj) -> None:
+        if parent is None:
+            setattr(owner, attr, obj)
+        else:
+            parent.original = obj
+            if _links(parent.installed):
+                parent.installed.__wrapped__ = obj
+
+    def _mine(self, owner, attr):
+        """A layer of this patch already on the attribute: ours now (same patcher), or left
+        switched off by an earlier revert under someone else's object (found through
+        ``__wrapped__``), which is switched back on instead of adding another."""
+        for layer in layers(owner, attr):
+            if layer.patch_id == self.patch_id:
+                return layer
+        current, seen = vars(owner).get(attr, MISSING), 0
+        while current is not MISSING and current is not None and seen < 32:
+            if installed_by(current) == self.patch_id:
+                return current
+            current, seen = getattr(current, "__wrapped__", None), seen + 1
+        return None
+
     def _wrap_now(self, target: str, wrapper: Callable) -> None:
         import wrapt
 
         owner, attr = owner_of(target)
-        own = vars(owner).get(attr, MISSING)
-        if own is not MISSING and installed_by(own) == self.patch_id:
+        mine = self._mine(owner, attr)
+        if isinstance(mine, Op):
+            if mine not in self.ops:
+                self.ops.append(mine)
             return  # already ours: never double-wrap
-        original = own if own is not MISSING else _static_lookup(owner, attr, target)
-        proxy = wrapt.FunctionWrapper(original, wrapper, enabled=self.is_active)
+        if mine is not None:  # switched off under someone else's object: adopt it
+            op = Op("wrap", target, owner, attr, getattr(mine, "__wrapped__", MISSING), mine, self.patch_id)
+            self.ops.append(op)
+            return
+        parent, below = self._place(owner, attr)
+        inner = below if below is not MISSING else _beneath(owner, attr, target)
+        proxy = wrapt.FunctionWrapper(inner, wrapper, enabled=self.is_active)
         setattr(proxy, TAG, self.patch_id)
-        setattr(owner, attr, proxy)
-        self.ops.append(Op("wrap", target, owner, attr, own, proxy))
+        op = Op("wrap", target, owner, attr, below, proxy, self.patch_id)
+        self._link(owner, attr, parent, proxy)
+        _remember(op)
+        self.ops.append(op)
 
     def _set_now(self, target: str, value: Any) -> None:
         owner, attr = owner_of(target)
-        own = vars(owner).get(attr, MISSING)
-        if own is value:
+        if vars(owner).get(attr, MISSING) is value or _layer(owner, attr, value) is not None:
             return
         try:
             setattr(value, SET_TAG, self.patch_id)
         except (AttributeError, TypeError):
             pass  # e.g. ints, builtins: identity check in Op.in_place still works
-        setattr(owner, attr, value)
-        self.ops.append(Op("set", target, owner, attr, own, value))
+        parent, below = self._place(owner, attr)
+        if isinstance(value, _StackedProperty):  # extends what it sits on, wherever that is
+            value.__wrapped__ = below if below is not MISSING else _beneath(owner, attr, target)
+        op = Op("set", target, owner, attr, below, value, self.patch_id)
+        self._link(owner, attr, parent, value)
+        _remember(op)
+        self.ops.append(op)
 
 
 class _StackedProperty(property):
@@ -180,8 +362,8 @@ class _StackedProperty(property):
 def property_over(previous: property, compute: Callable[[Any, Any], Any]) -> property:
     """A property whose value is ``compute(self, value of previous)``: what a patch installs with
     ``p.set`` to extend a property that another patch may already have extended."""
-    prop = _StackedProperty(lambda self: compute(self, previous.__get__(self, type(self))))
-    prop.__wrapped__ = previous
+    prop = _StackedProperty(lambda self: compute(self, prop.__wrapped__.__get__(self, type(self))))
+    prop.__wrapped__ = previous  # read at each access: a layer under it may be taken out
     return prop
 
 

@@ -9,6 +9,7 @@ Bug
 Fix
     Wrap the ``load`` that ``mlx_lm.generate`` and ``mlx_lm.server`` call: the path ``mtp``
     returns the most recently loaded main model's ``make_draft_model()`` and its tokenizer
+    (remembered in the patcher's memo, which ``revert()`` clears)
     (``mlx_lm.generate --model PATH --draft-model mtp``). Every other path - and a real folder
     named ``mtp`` in the working directory - loads as before. If no
     model was loaded yet, or it has no MTP head, the error says so (``model.mtp_status``).
@@ -37,16 +38,17 @@ GENERATE = "mlx_lm.generate"
 SERVER = "mlx_lm.server"
 SENTINEL = "mtp"
 
-_last = {"model": None, "tokenizer": None}
+MODEL, TOKENIZER = "the last loaded model (weakly)", "its tokenizer"
 
 
-def _load_or_mtp_draft(wrapped, instance, args, kwargs):
+def _load_or_mtp_draft(last, wrapped, instance, args, kwargs):
+    """``last``: the patcher's memo (cleared by revert), which remembers the last main model."""
     path = args[0] if args else kwargs.get("path_or_hf_repo")
     if path != SENTINEL or os.path.exists(SENTINEL):  # a real folder named "mtp" wins
         result = wrapped(*args, **kwargs)
-        _last["model"], _last["tokenizer"] = weakref.ref(result[0]), result[1]
+        last[MODEL], last[TOKENIZER] = weakref.ref(result[0]), result[1]
         return result
-    model = _last["model"]() if _last["model"] is not None else None
+    model = last[MODEL]() if last.get(MODEL) is not None else None
     if model is None:
         raise ValueError("--draft-model mtp drafts with the main model's MTP head: load the main model first")
     make_draft = model.__dict__.get("make_draft_model")
@@ -55,7 +57,7 @@ def _load_or_mtp_draft(wrapped, instance, args, kwargs):
             f"--draft-model mtp: {type(model).__name__} ({getattr(model, 'model_type', '?')}) has no MTP "
             f"interface ({model.__dict__.get('mtp_status', 'not a family whose MTP head is kept')})"
         )
-    return make_draft(), _last["tokenizer"]
+    return make_draft(), last.get(TOKENIZER)
 
 
 def probe():
@@ -66,8 +68,13 @@ def probe():
 
 
 def apply(p):
-    p.wrap(f"{GENERATE}:load", _load_or_mtp_draft)
-    p.wrap(f"{SERVER}:load", _load_or_mtp_draft)
+    last = p.memo  # not a module global: revert clears it, status lists it
+
+    def load(wrapped, instance, args, kwargs):
+        return _load_or_mtp_draft(last, wrapped, instance, args, kwargs)
+
+    p.wrap(f"{GENERATE}:load", load)
+    p.wrap(f"{SERVER}:load", load)
 
 
 def scenario():

@@ -11,7 +11,8 @@ How the draft sees the main model. mlx-lm feeds a draft model token ids only. So
 ``make_draft_model()`` installs a *capture* on the main model (once): its final norm records its
 input and output (pre- and post-norm hidden states) and its forward records the position it
 started at and the token ids, by swapping the instance's ``__class__`` for a subclass - the
-parameter tree, the logits and the class name are unchanged. When the stock loop asks the draft
+parameter tree, the logits and the class name are unchanged. The patch records that per model
+(``Patcher.track``): ``revert()`` puts the original classes back and takes the interface off. When the stock loop asks the draft
 for a token, the draft reads how far the main model has committed (the offset of its attention
 cache, after mlx-lm's trim), takes the main hidden state of the last committed position, and:
 
@@ -87,6 +88,7 @@ class HiddenCapture:
         self._leaf_since = 0  # self.count when that cache was first seen
         self._pending = None  # (pre, post) of the final norm during the current forward
         self.last = None  # {"pre", "post"} hidden states of the last forward, any batch size
+        self.norm = None  # weakref to the final norm whose class was swapped
 
     def norm_called(self, pre, post):
         self._pending = (pre, post)
@@ -154,9 +156,30 @@ class HiddenCapture:
         return h, x[:, 1:]
 
 
+CAPTURE = "_mlx_lm_patches_capture"
+SWAPPED = "__mlx_lm_patches_swapped_from__"  # on the subclasses: the class they stand in for
+INTERFACE = ("make_draft_model", "mtp_forward", "make_mtp_cache", "hidden_states")
+
+
+def _swap_class(obj, call):
+    """Give ``obj`` a same-named subclass of its class whose ``__call__`` is ``call``."""
+    cls = type(obj)
+    obj.__class__ = type(cls.__name__, (cls,), {"__call__": call, "__module__": cls.__module__,
+                                               "__qualname__": cls.__qualname__, SWAPPED: cls})
+    return cls
+
+
+def _unswap_class(obj) -> None:
+    original = vars(type(obj)).get(SWAPPED)
+    if original is not None:
+        obj.__class__ = original
+
+
 def install_capture(model) -> HiddenCapture:
-    """Install (once) the hidden-state capture on ``model``; returns it."""
-    capture = model.__dict__.get("_mlx_lm_patches_capture")
+    """Install (once) the hidden-state capture on ``model``; returns it. The capture swaps the
+    classes of ``model`` and of its final norm for same-named subclasses; :func:`remove_capture`
+    (run by ``revert()`` of ``mtp-heads-kept`` for every model it gave the interface) undoes it."""
+    capture = model.__dict__.get(CAPTURE)
     if capture is not None:
         return capture
     capture = HiddenCapture()
@@ -165,24 +188,35 @@ def install_capture(model) -> HiddenCapture:
 
     def norm_call(self, x, *args, **kwargs):
         out = norm_class.__call__(self, x, *args, **kwargs)
-        self.__dict__["_mlx_lm_patches_capture"].norm_called(x, out)
+        self.__dict__[CAPTURE].norm_called(x, out)
         return out
 
-    norm.__dict__["_mlx_lm_patches_capture"] = capture
-    norm.__class__ = type(norm_class.__name__, (norm_class,), {"__call__": norm_call,
-                                                               "__module__": norm_class.__module__})
     model_class = type(model)
 
     def model_call(self, inputs, cache=None, **kwargs):
         start = _offset(cache) if cache is not None else 0  # no cache: a forward from position 0
         out = model_class.__call__(self, inputs, cache=cache, **kwargs)
-        self.__dict__["_mlx_lm_patches_capture"].forward_done(inputs, cache, start)
+        self.__dict__[CAPTURE].forward_done(inputs, cache, start)
         return out
 
-    model.__dict__["_mlx_lm_patches_capture"] = capture
-    model.__class__ = type(model_class.__name__, (model_class,), {"__call__": model_call,
-                                                                  "__module__": model_class.__module__})
+    norm.__dict__[CAPTURE] = capture
+    _swap_class(norm, norm_call)
+    capture.norm = weakref.ref(norm)
+    model.__dict__[CAPTURE] = capture
+    _swap_class(model, model_call)
     return capture
+
+
+def remove_capture(model) -> None:
+    """Undo :func:`install_capture`: the original classes back, the capture gone."""
+    capture = model.__dict__.pop(CAPTURE, None)
+    if capture is None:
+        return
+    norm = capture.norm() if capture.norm is not None else None
+    if norm is not None:
+        norm.__dict__.pop(CAPTURE, None)
+        _unswap_class(norm)
+    _unswap_class(model)
 
 
 def hidden_states(model):
@@ -320,12 +354,23 @@ class MTPDraft:
         state.synced = committed - 1
 
 
-def add_interface(model) -> None:
+def add_interface(model, track=None) -> None:
     """Give a loaded model ``make_draft_model``, ``mtp_forward``, ``make_mtp_cache`` and
-    ``hidden_states`` (instance attributes; they raise :class:`MTPUnavailable` without a head)."""
+    ``hidden_states`` (instance attributes; they raise :class:`MTPUnavailable` without a head).
+    ``track`` (the patcher's): records the change so revert takes it off again, together with
+    the capture the draft installs later."""
     ref = weakref.ref(model)
     model.__dict__["make_draft_model"] = lambda hidden="post", fusion="embedding-first": MTPDraft(ref(), hidden, fusion)
     model.__dict__["mtp_forward"] = lambda hidden, next_ids, cache, fusion="embedding-first": mtp_forward(
         ref(), hidden, next_ids, cache, fusion)
     model.__dict__["make_mtp_cache"] = lambda: make_mtp_cache(ref())
     model.__dict__["hidden_states"] = lambda: hidden_states(ref())
+    if track is not None:
+        track(model, remove_interface, "MTP interface (and hidden-state capture) on a loaded model")
+
+
+def remove_interface(model) -> None:
+    """Undo :func:`add_interface` and :func:`install_capture` on ``model``."""
+    for name in INTERFACE:
+        model.__dict__.pop(name, None)
+    remove_capture(model)
