@@ -234,7 +234,8 @@ class Engine:
             if not evidence:
                 self._set(rec, State.SKIPPED_PROBE, "probe: bug not present in this mlx-lm")
                 return
-            patcher = Patcher(spec.id, spec.targets, lambda rec=rec: rec.active)
+            patcher = Patcher(spec.id, spec.targets, lambda rec=rec: rec.active,
+                              outer=self.matrix.later_than(spec.id))
             rec.patcher = patcher
             rec.active = True
             try:
@@ -282,6 +283,9 @@ class Engine:
 
     # -- revert -----------------------------------------------------------------------------
     def revert(self, ids=None) -> List[PatchStatus]:
+        """Take the given (default: all) patches out. Each target keeps the layers of the patches
+        still applied, in their declared order; with ``ids=None`` the activation's own change
+        (the ``python -m mlx_lm.X`` hook on runpy, if not yet used) goes too."""
         chosen = self.resolve_ids(ids, "revert")
         with self.lock:
             # patches may stack on the same attribute: undo the latest first
@@ -293,7 +297,28 @@ class Engine:
                 notes = rec.patcher.revert() if rec.patcher else []
                 rec.patcher = None
                 self._set(rec, State.REVERTED, "; ".join(notes) or "original objects restored")
+            if ids is None:
+                boot = sys.modules.get("_mlx_lm_patches_boot")
+                if boot is not None and hasattr(boot, "unhook"):
+                    boot.unhook()
         return [self.row(pid) for pid in chosen]
+
+    def changes(self) -> Dict[str, List[str]]:
+        """What is changed now beyond the targets' attributes, by patch id (and ``activation``
+        for the bootstrap's own hook): each entry is undone by :meth:`revert`."""
+        out: Dict[str, List[str]] = {}
+        boot = sys.modules.get("_mlx_lm_patches_boot")
+        hook = boot.console_hook() if boot is not None and hasattr(boot, "console_hook") else None
+        if hook is not None:
+            out["activation"] = [f"runpy._run_module_as_main hooked: python -m {hook.module} "
+                                 "runs the patched module's main()"]
+        with self.lock:
+            for pid, rec in self.records.items():
+                if rec.state is State.APPLIED and rec.patcher is not None:
+                    held = rec.patcher.outside()
+                    if held:
+                        out[pid] = held
+        return out
 
     # -- status -----------------------------------------------------------------------------
     def row(self, pid: str) -> PatchStatus:
@@ -304,6 +329,9 @@ class Engine:
                 moved = rec.patcher.in_place()
                 if moved:
                     detail += f"; replaced by someone else since: {', '.join(moved)}"
+                held = rec.patcher.outside()
+                if held:
+                    detail += f"; also changed: {', '.join(held)}"
                 waiting = [d[2] for d in rec.patcher.deferred]
                 if waiting:
                     detail += f"; waiting for import: {', '.join(waiting)}"
@@ -403,3 +431,8 @@ def revert(ids=None) -> List[PatchStatus]:
 
 def status() -> List[PatchStatus]:
     return get().rows()
+
+
+def changes() -> Dict[str, List[str]]:
+    """What the patches (and the bootstrap) changed beyond their targets; ``revert()`` undoes it."""
+    return get().changes()

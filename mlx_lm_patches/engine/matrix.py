@@ -8,7 +8,7 @@ import functools
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import FrozenSet, Optional, Tuple
 
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
@@ -40,6 +40,8 @@ class PatchSpec:
     package: str = MLX_LM  # the distribution whose version ``affected`` is about
     # further distributions the bug needs, e.g. (("mlx", SpecifierSet(">=0.32.0")),)
     requires: Tuple[Tuple[str, SpecifierSet], ...] = ()
+    # patch ids this one is layered over on the targets they share (its wrappers stay outside theirs)
+    after: Tuple[str, ...] = ()
 
     @property
     def module_name(self) -> str:
@@ -97,6 +99,22 @@ class Matrix:
     def ids(self) -> Tuple[str, ...]:
         return tuple(spec.id for spec in self.patches)
 
+    def later_than(self, patch_id: str) -> FrozenSet[str]:
+        """The patches declared ``after`` ``patch_id``, transitively: on a shared target their
+        layers stay outside its layer."""
+        later, grew = set(), True
+        while grew:
+            grew = False
+            for spec in self.patches:
+                if spec.id not in later and (patch_id in spec.after or later & set(spec.after)):
+                    later.add(spec.id)
+                    grew = True
+        return frozenset(later)
+
+    def ordered(self, first: str, second: str) -> bool:
+        """Whether the matrix declares an order between two patches (either way)."""
+        return second in self.later_than(first) or first in self.later_than(second)
+
 
 def default_path() -> Path:
     here = Path(__file__).resolve().parent.parent  # the package folder
@@ -134,7 +152,32 @@ def parse(data, path: Path) -> Matrix:
     duplicates = sorted({i for i in ids if ids.count(i) > 1})
     if duplicates:
         raise MatrixError(f"{where}: duplicate patch ids {duplicates}")
+    for spec in patches:
+        unknown = [n for n in spec.after if n not in ids]
+        if unknown:
+            raise MatrixError(f"{where}: patch {spec.id}: after names unknown patch id(s) "
+                              f"{unknown}; known: {', '.join(ids)}")
+    _check_after_acyclic(patches, where)
     return Matrix(supported, tested, patches, path)
+
+
+def _check_after_acyclic(patches, where) -> None:
+    after = {spec.id: spec.after for spec in patches}
+    state: dict = {}  # id -> "visiting" | "done"
+
+    def visit(pid, path):
+        if state.get(pid) == "done":
+            return
+        if state.get(pid) == "visiting":
+            cycle = path[path.index(pid):] + [pid]
+            raise MatrixError(f"{where}: 'after' declares a cycle: {' -> '.join(cycle)}")
+        state[pid] = "visiting"
+        for other in after[pid]:
+            visit(other, path + [pid])
+        state[pid] = "done"
+
+    for pid in after:
+        visit(pid, [])
 
 
 def _specifier(text, where) -> SpecifierSet:
@@ -167,7 +210,7 @@ def _tested(row, where) -> TestedVersion:
 
 
 _PATCH_KEYS = {"id", "summary", "affected", "fixed_in", "upstream", "targets", "probe"}
-_OPTIONAL_KEYS = {"metal_note", "package", "requires"}
+_OPTIONAL_KEYS = {"metal_note", "package", "requires", "after"}
 
 
 def _patch(row, where) -> PatchSpec:
@@ -205,6 +248,11 @@ def _patch(row, where) -> PatchSpec:
     if not isinstance(requires, dict) or not all(_DISTRIBUTION.match(str(n)) for n in requires):
         raise MatrixError(f"{where}: requires must map distribution names to version specifiers; got {requires!r}")
     requires = tuple((str(n), _specifier(v, f"{where}: requires {n}")) for n, v in requires.items())
+    after = row.get("after") or ()
+    if not isinstance(after, (list, tuple)) or not all(isinstance(n, str) and _ID.match(n) for n in after):
+        raise MatrixError(f"{where}: after must be a list of patch ids; got {after!r}")
+    if pid in after:
+        raise MatrixError(f"{where}: after names the patch itself")
     affected = _specifier(row["affected"], f"{where}: affected")
     if fixed_in is not None and affected.contains(fixed_in, prereleases=True):
         raise MatrixError(f"{where}: fixed_in {fixed_in} lies inside affected {affected}")
@@ -219,4 +267,5 @@ def _patch(row, where) -> PatchSpec:
         metal_note=row.get("metal_note"),
         package=package,
         requires=requires,
+        after=tuple(dict.fromkeys(after)),
     )

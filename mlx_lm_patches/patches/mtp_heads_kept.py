@@ -22,7 +22,8 @@ Fix
     tensor: key prefixes, per-expert/fused/stacked experts, zero-centred or shifted Qwen norms),
     quantize exactly the layers stored quantized (per-layer entries of ``config["quantization"]``
     first, else the stored shapes), and load it strictly. The head is attached as ``model.mtp``
-    outside the parameter tree; ``model.mtp_status`` says what happened (kept, no head, declared
+    outside the parameter tree (``revert()`` takes the decoding interface and its class swap off
+    the models loaded meanwhile; the head itself stays, as loaded data); ``model.mtp_status`` says what happened (kept, no head, declared
     but missing, which tensors are missing, what this mlx-lm cannot build - e.g. a Nemotron-H
     MoE block before 0.30.0 - or not kept for this family).
 
@@ -57,7 +58,7 @@ def _sanitize_without_mtp(wrapped, instance, args, kwargs):
     return wrapped(backbone, *args[1:], **kwargs)
 
 
-def _load_model_with_mtp(wrapped, instance, args, kwargs):
+def _load_model_with_mtp(wrapped, instance, args, kwargs, track=None):
     from mlx_lm_patches.mechanisms.mtp.heads import attach
 
     model, config = wrapped(*args, **kwargs)
@@ -69,7 +70,7 @@ def _load_model_with_mtp(wrapped, instance, args, kwargs):
     if getattr(model, "model_type", None) in FAMILIES:
         from mlx_lm_patches.mechanisms.mtp.decoding import add_interface
 
-        add_interface(model)
+        add_interface(model, track)
     return model, config
 
 
@@ -87,7 +88,12 @@ def apply(p):
     for family in FAMILY_MODULES:
         if importlib.util.find_spec(f"mlx_lm.models.{family}") is not None:
             p.wrap(f"mlx_lm.models.{family}:Model.sanitize", _sanitize_without_mtp)
-    p.wrap(f"{UTILS}:load_model", _load_model_with_mtp)
+    track = p.track  # revert takes the interface (and the draft's class swap) off loaded models
+
+    def load_model(wrapped, instance, args, kwargs):
+        return _load_model_with_mtp(wrapped, instance, args, kwargs, track)
+
+    p.wrap(f"{UTILS}:load_model", load_model)
 
 
 def scenario():
