@@ -9,14 +9,16 @@ Bug
       filter, so loading fails: ``Received N parameters not in model``.
     * qwen3_5 / qwen3_5_moe 0.30.7 - 0.31.3: the presence of ``mtp.*`` keys makes ``sanitize``
       treat MLX-format weights as HF ones and add 1.0 to every backbone norm weight - a
-      silently corrupted model.
+      silently corrupted model. (For HF-layout weights that same signal is right: they keep it.)
     * nemotron_h <= 0.31.1: no filter at all, the load fails like qwen3_next.
     * everywhere else the head is dropped without a word; an ``mtp.safetensors`` sidecar is
       never read.
 
 Fix
     Wrap each family's ``Model.sanitize`` so the ``mtp.`` tensors are set aside before the stock
-    code sees them (that alone removes the crash and the corruption), and wrap
+    code sees them (that alone removes the crash and the corruption; for Qwen3.5 weights in HF
+    layout one ``mtp.`` tensor still goes along, so stock's "HF checkpoint: shift the norms"
+    decision - which it bases on them - stays its own), and wrap
     ``mlx_lm.utils.load_model`` - the function every load path goes through - to build the head
     from the family's own blocks (``mtp_families``), convert the tensors to mlx-lm's layout (per
     tensor: key prefixes, per-expert/fused/stacked experts, zero-centred or shifted Qwen norms),
@@ -49,13 +51,13 @@ FAMILY_MODULES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "nemotron_h")
 
 
 def _sanitize_without_mtp(wrapped, instance, args, kwargs):
-    from mlx_lm_patches.mechanisms.mtp.heads import split, stash
+    from mlx_lm_patches.mechanisms.mtp.heads import for_stock_sanitize, split, stash
 
     weights = args[0] if args else kwargs.pop("weights")
     backbone, mtp = split(weights)
     if instance is not None:
         stash(instance, mtp)
-    return wrapped(backbone, *args[1:], **kwargs)
+    return wrapped(for_stock_sanitize(instance, backbone, mtp), *args[1:], **kwargs)
 
 
 def _load_model_with_mtp(wrapped, instance, args, kwargs, track=None):
