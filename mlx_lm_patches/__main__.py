@@ -1,7 +1,10 @@
 """Command line: ``python -m mlx_lm_patches {status,check,run,table}``.
 
-* ``status [--json]`` – versions, activation path and one row per patch, read from the live
-  objects after importing ``mlx_lm`` the way a user would. Exit 1 if a patch failed.
+* ``status [--json]`` – versions, activation path, the gate rule (``version range + probe`` for a
+  published release, ``probe only`` for a git/local/editable install or a dev/pre-release
+  version), warnings (mlx-lm not a release, or newer than the newest tested release) and one row
+  per patch, read from the live objects after importing ``mlx_lm`` the way a user would. Exit 1
+  if a patch failed.
 * ``check [IDS...]`` – the main job: demonstrate every applicable fix live (see ``check.py``).
   Exit 1 if a fix does not hold.
 * ``run -m MODULE [ARGS...]`` / ``run SCRIPT [ARGS...]`` – apply explicitly, then run a module
@@ -30,6 +33,8 @@ def _status(args) -> int:
         "mlx": eng.mlx.describe(),
         "packages": {d.name: d.describe() for d in eng.other_packages()},
         "activation": eng.activation or _why_inactive(armed_by()),
+        "gate": {"rule": eng.gate_rule(), "text": eng.gate_text()},
+        "warnings": eng.warnings(),
         "matrix": str(eng.matrix.path),
         "patches": [r.to_dict() for r in rows],
     }
@@ -39,6 +44,9 @@ def _status(args) -> int:
         others = "".join(f", {name} {version}" for name, version in info["packages"].items())
         print(f"mlx-lm-patches {info['mlx_lm_patches']}: mlx-lm {info['mlx_lm']}, mlx {info['mlx']}{others}")
         print(f"activation: {info['activation']}")
+        print(f"gate: {info['gate']['text']}")
+        for warning in info["warnings"]:
+            print(f"warning: {warning}")
         print(f"matrix: {info['matrix']}")
         width = max((len(r.id) for r in rows), default=2)
         for r in rows:
@@ -88,7 +96,8 @@ def _check(args) -> int:
 
     results = check.run_check(args.ids or None)
     print(check.format_report(results))
-    return 0 if all(r.holds for r in results) else 1
+    before, again = check.restored
+    return 0 if all(r.holds for r in results) and len(again) == len(before) else 1
 
 
 def _table(args) -> int:

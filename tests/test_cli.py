@@ -1,5 +1,7 @@
 """The command line: status (text and JSON), check (the main job), table."""
 
+import re
+
 import pytest
 
 from conftest import affected, run_python
@@ -13,6 +15,12 @@ def test_status_json_lists_every_patch_with_its_state(the_matrix):
     info = ran.json()
     assert info["activation"] == "pth"
     assert info["mlx_lm"] and info["mlx"]
+    from mlx_lm_patches.engine import versions
+
+    release = versions.mlx_lm().is_release
+    assert info["gate"]["rule"] == ("range" if release else "probe")
+    assert info["gate"]["text"].startswith("version range + probe" if release else "probe only (mlx-lm ")
+    assert isinstance(info["warnings"], list)
     rows = {row["id"]: row for row in info["patches"]}
     assert set(rows) == set(the_matrix.ids())
     # What `import mlx_lm` imports with the patches on (some probes read a model module).
@@ -51,16 +59,22 @@ def test_status_exits_non_zero_when_a_patch_failed():
 
 
 def test_check_demonstrates_every_fix(the_matrix):
+    """Each patch judged alone: stock = everything reverted, patched = the patch plus what it
+    ``needs``; skipped patches on stock mlx-lm; a scenario that cannot drive the installed API
+    says "not applicable"; afterwards every patch applied before is applied again."""
     ran = run_python(None, "-m", "mlx_lm_patches", "check", timeout=600)
     assert ran.returncode == 0, ran.stdout + ran.stderr
     for pid in the_matrix.ids():
-        line = next(l for l in ran.stdout.splitlines() if l.startswith("[") and pid in l)
+        line = next(l for l in ran.stdout.splitlines() if l.startswith("[") and f"] {pid} (" in l)
         assert line.startswith("[ok  ]"), line
+        if "not applicable here" in line:
+            continue
         if affected(pid):
             assert "fixed: stock mlx-lm fails, patched mlx-lm is exact" in line
         else:
-            assert "not needed: stock mlx-lm is correct" in line or "not applicable here" in line
-    assert "fixes hold" in ran.stdout
+            assert "not needed: stock mlx-lm is correct" in line
+    assert re.search(r"^(\d+)/\1 fixes hold$", ran.stdout, re.M), ran.stdout
+    assert re.search(r"^applied again after check: (\d+)/\1$", ran.stdout, re.M), ran.stdout
 
 
 def test_check_unknown_id_is_a_clear_error():

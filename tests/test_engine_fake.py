@@ -106,6 +106,44 @@ PATCHES = {
         def apply(p):
             p.set("{lib}.extra:thing", None)
     """,
+    "closed_range.py": """
+        def probe():
+            return "bug seen by the probe"
+
+        def apply(p):
+            p.set("{lib}.core:CLOSED", "fixed")
+    """,
+    "gone_target.py": """
+        import sys
+
+        def probe():
+            return sys.modules["{lib}.core"].Removed  # raises AttributeError: the class is gone
+
+        def apply(p):
+            raise AssertionError("must not be called")
+    """,
+    "alternative_targets.py": """
+        import sys
+
+        def probe():
+            return True
+
+        def apply(p):
+            core = sys.modules["{lib}.core"]
+            if hasattr(core, "Later"):
+                p.wrap("{lib}.core:Later.method", lambda wrapped, instance, args, kwargs: 1)
+            else:
+                p.wrap("{lib}.core:Cache.trim", lambda wrapped, instance, args, kwargs: 1)
+    """,
+    "not_needed_reason.py": """
+        from mlx_lm_patches.engine.contract import missing
+
+        def probe():
+            return missing("{lib}.core:Cache.no_such_helper")
+
+        def apply(p):
+            raise AssertionError("must not be called")
+    """,
     "deferred.py": """
         def probe():
             return True
@@ -128,6 +166,10 @@ patches:
   - {{id: broken-probe, summary: s, affected: ">=1.0", fixed_in: null, upstream: [], targets: ["{lib}.core:Cache"], probe: p}}
   - {{id: broken-apply, summary: s, affected: ">=1.0", fixed_in: null, upstream: [], targets: ["{lib}.core:PARTIAL"], probe: p}}
   - {{id: undeclared, summary: s, affected: ">=1.0", fixed_in: null, upstream: [], targets: ["{lib}.core:Cache"], probe: p}}
+  - {{id: closed-range, summary: s, affected: "==0.9", fixed_in: "1.0", upstream: [], targets: ["{lib}.core:CLOSED"], probe: p}}
+  - {{id: gone-target, summary: s, affected: ">=1.0", fixed_in: null, upstream: [], targets: ["{lib}.core:Removed.__call__"], probe: p}}
+  - {{id: alternative-targets, summary: s, affected: ">=1.0", fixed_in: null, upstream: [], targets: ["{lib}.core:Later.method?", "{lib}.core:Cache.trim?"], probe: p}}
+  - {{id: not-needed-reason, summary: s, affected: ">=1.0", fixed_in: null, upstream: [], targets: ["{lib}.core:Cache"], probe: p}}
   - {{id: deferred, summary: s, affected: ">=1.0", fixed_in: null, upstream: [], targets: ["{lib}.core:Cache", "{lib}.extra:thing"], probe: p}}
 """
 
@@ -135,7 +177,7 @@ OK_IDS = ["trim-fix", "greet-fix", "added-attr"]
 
 
 class Fake:
-    def __init__(self, tmp_path, monkeypatch, version="1.2"):
+    def __init__(self, tmp_path, monkeypatch, version="1.2", origin="release"):
         n = next(_counter)
         self.lib, self.pkg = f"fakelib{n}", f"fakepatches{n}"
         for package, files in ((self.lib, LIB), (self.pkg, PATCHES)):
@@ -148,7 +190,7 @@ class Fake:
         for var in ("MLX_LM_PATCHES_DISABLE", "MLX_LM_PATCHES_STRICT"):
             monkeypatch.delenv(var, raising=False)
         self.engine = Engine(matrix.load(str(path)), patch_package=self.pkg,
-                             installed=versions.InstalledDist("fakelib", version))
+                             installed=versions.InstalledDist("fakelib", version, origin))
 
     def module(self, name):
         __import__(f"{self.lib}.{name}")
@@ -477,3 +519,152 @@ def test_a_bug_that_needs_another_distribution_is_gated_on_it_too(tmp_path, monk
     assert eng.row("needs-other").affected == f"<1.0 with {other} >=2.0"
     eng.revert(["needs-other"])
     assert sys.modules[f"{fake.lib}.extra"].thing() == "original"
+
+
+# -- the gate: releases by range + probe, anything else by the probe alone ---------------------
+
+
+def _dist_info(site, name, version, direct_url=None):
+    """A minimal installed distribution in ``site`` (as pip/uv leave it), optionally with the
+    ``direct_url.json`` they write for VCS and local-directory installs."""
+    import json
+
+    info = site / f"{name}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    if direct_url is not None:
+        (info / "direct_url.json").write_text(json.dumps(direct_url))
+
+
+def test_installed_tells_releases_from_git_local_and_dev_installs(tmp_path, monkeypatch):
+    site = tmp_path / "site"
+    n = next(_counter)
+    _dist_info(site, f"rel{n}", "0.32.2")
+    _dist_info(site, f"git{n}", "0.32.3", {"url": "https://github.com/ml-explore/mlx-lm.git",
+                                          "vcs_info": {"vcs": "git", "commit_id": "0123456789abcdef0123"}})
+    _dist_info(site, f"dir{n}", "0.32.3", {"url": "file:///src/mlx-lm", "dir_info": {"editable": True}})
+    _dist_info(site, f"dev{n}", "0.32.3.dev0")
+    _dist_info(site, f"loc{n}", "0.32.3+g0123")
+    monkeypatch.syspath_prepend(str(site))
+    release = versions.installed(f"rel{n}")
+    assert release.is_release and release.describe() == "0.32.2"
+    git = versions.installed(f"git{n}")
+    assert not git.is_release
+    assert git.origin == "git https://github.com/ml-explore/mlx-lm.git@0123456789ab"
+    editable = versions.installed(f"dir{n}")
+    assert not editable.is_release and editable.origin == "editable file:///src/mlx-lm"
+    for name in (f"dev{n}", f"loc{n}"):
+        assert not versions.installed(name).is_release, name
+    assert not versions.installed(f"nope{n}").is_release
+
+
+def test_a_release_outside_the_range_is_skipped_without_probing(fake):
+    fake.engine.request(["closed-range"])
+    assert fake.state("closed-range") is State.SKIPPED_VERSION
+    assert fake.engine.gate_rule() == "range"
+    assert fake.engine.gate_text() == "version range + probe"
+    spec = fake.engine.matrix.get("closed-range")
+    assert spec.version_verdict(lambda name: fake.engine.mlx_lm) is False
+    assert fake.engine.matrix.get("trim-fix").version_verdict(lambda name: fake.engine.mlx_lm) is True
+
+
+@pytest.mark.parametrize("version, origin, says", [
+    ("1.2", "git https://github.com/ml-explore/mlx-lm.git@0123456789ab",
+     "probe only (mlx-lm installed from git https://github.com/ml-explore/mlx-lm.git@0123456789ab"),
+    ("1.2", "editable file:///src/mlx-lm", "probe only (mlx-lm installed editable from file:///src/mlx-lm"),
+    ("1.2.dev0", "development version", "probe only (mlx-lm version 1.2.dev0 is a development version"),
+])
+def test_a_non_release_is_decided_by_its_probe_alone(tmp_path, monkeypatch, version, origin, says):
+    """main carries the next release's number early: a closed range (==0.9) that excludes the
+    label must not hide a bug the probe finds; ranges that include it do not apply a patch whose
+    probe finds nothing; requires/package rules stay."""
+    fake = Fake(tmp_path, monkeypatch, version=version, origin=origin)
+    fake.engine.request(["closed-range", "absent-bug", "trim-fix"])
+    assert fake.state("closed-range") is State.APPLIED
+    assert fake.module("core").CLOSED == "fixed"
+    assert fake.state("absent-bug") is State.SKIPPED_PROBE
+    assert fake.state("trim-fix") is State.APPLIED
+    assert fake.engine.gate_rule() == "probe"
+    assert fake.engine.gate_text().startswith(says)
+    assert any("not a published release" in w for w in fake.engine.warnings())
+    assert fake.engine.matrix.get("closed-range").version_verdict(lambda name: fake.engine.mlx_lm) is None
+
+
+def test_status_warns_when_mlx_lm_is_newer_than_the_newest_tested_release(tmp_path, monkeypatch):
+    fake = Fake(tmp_path, monkeypatch)
+    path = tmp_path / "tested.yaml"
+    path.write_text(MATRIX.format(lib=fake.lib).replace("tested_versions: []", textwrap.dedent("""
+        tested_versions:
+          - {mlx_lm: "1.0", mlx: "1.0", python: "3.12"}
+          - {mlx_lm: "1.1", mlx: "1.0", python: "3.12"}
+    """).strip()))
+    the_matrix = matrix.load(str(path))
+    assert str(the_matrix.newest_tested()) == "1.1"
+    newer = Engine(the_matrix, patch_package=fake.pkg, installed=versions.InstalledDist(fake.lib, "1.2"))
+    assert [w for w in newer.warnings() if "newer than the newest tested release (1.1)" in w]
+    tested = Engine(the_matrix, patch_package=fake.pkg, installed=versions.InstalledDist(fake.lib, "1.1"))
+    assert tested.warnings() == []
+
+
+# -- a target that is gone: not needed, never a failure -----------------------------------------
+
+
+def test_a_missing_target_is_not_needed_and_never_probed(fake):
+    fake.engine.request(["gone-target"])  # explicit: would raise on a failure
+    assert fake.state("gone-target") is State.SKIPPED_PROBE
+    assert fake.engine.row("gone-target").detail == (
+        f"target {fake.lib}.core:Removed missing in this mlx-lm: not needed")
+
+
+def test_a_missing_target_does_not_raise_under_strict(fake, monkeypatch):
+    monkeypatch.setenv("MLX_LM_PATCHES_STRICT", "1")
+    fake.engine.request(["gone-target", "broken-probe"], raise_errors=False, import_anchors=False)
+    with pytest.raises(PatchError, match="probe exploded"):  # a probe that raises is still a bug
+        fake.module("core")
+    assert fake.state("gone-target") is State.SKIPPED_PROBE
+    assert fake.state("broken-probe") is State.FAILED
+
+
+def test_alternative_targets_marked_optional_do_not_rule_the_patch_out(fake):
+    spec = fake.engine.matrix.get("alternative-targets")
+    assert spec.targets == (f"{fake.lib}.core:Later.method", f"{fake.lib}.core:Cache.trim")
+    assert spec.optional_targets == spec.targets
+    fake.engine.request(["alternative-targets"])
+    assert fake.state("alternative-targets") is State.APPLIED
+    assert fake.module("core").Cache(1).trim(5) == 1
+
+
+def test_a_probe_can_say_why_the_fix_is_not_needed(fake):
+    fake.engine.request(["not-needed-reason"])
+    assert fake.state("not-needed-reason") is State.SKIPPED_PROBE
+    assert fake.engine.row("not-needed-reason").detail == (
+        f"probe: {fake.lib}.core:Cache.no_such_helper missing in this mlx-lm: not needed")
+
+
+# -- needs: what a patch's scenario cannot pass without ----------------------------------------
+
+
+def test_needs_is_validated_and_transitive(tmp_path):
+    def parse(extra):
+        text = textwrap.dedent(f"""
+            schema: 1
+            supported: ">=1.0"
+            patches:
+              - {{id: a, summary: s, affected: ">=1.0", fixed_in: null, upstream: [], targets: ["m:x"], probe: p{extra.get("a", "")}}}
+              - {{id: b, summary: s, affected: ">=1.0", fixed_in: null, upstream: [], targets: ["m:y"], probe: p{extra.get("b", "")}}}
+              - {{id: c, summary: s, affected: ">=1.0", fixed_in: null, upstream: [], targets: ["m:z"], probe: p}}
+        """)
+        import yaml
+
+        return matrix.parse(yaml.safe_load(text), tmp_path / "m.yaml")
+
+    the_matrix = parse({"a": ", needs: [b]", "b": ", needs: [c]"})
+    assert the_matrix.get("a").needs == ("b",)
+    assert the_matrix.needed_by("a") == ("a", "b", "c")
+    assert the_matrix.needed_by("c") == ("c",)
+    with pytest.raises(matrix.MatrixError, match=r"patch a: needs names unknown patch id\(s\) \['nope'\]"):
+        parse({"a": ", needs: [nope]"})
+    with pytest.raises(matrix.MatrixError, match="needs must be a list of patch ids"):
+        parse({"a": ", needs: b"})
+    with pytest.raises(matrix.MatrixError, match="needs names the patch itself"):
+        parse({"a": ", needs: [a]"})

@@ -187,12 +187,75 @@ def batched_problem(model, model_type, run=vlm_batched) -> Optional[str]:
     return None
 
 
+# What the scenarios drive: (module, attribute, parameters its call must accept).
+_DRIVEN = (
+    ("mlx_vlm.utils", "get_model_and_args", ("config",)),
+    ("mlx_vlm.utils", "update_module_configs", ()),
+    ("mlx_vlm.utils", "StoppingCriteria", ()),
+    ("mlx_vlm.generate", "generate_step", ("max_tokens",)),
+    ("mlx_vlm.generate", "BatchGenerator", ("max_tokens", "prefill_batch_size", "completion_batch_size")),
+    ("mlx_vlm.models.cache", "make_prompt_cache", ()),
+)
+
+
+def unsupported_api(model_type: str) -> Optional[str]:
+    """Why the installed mlx-vlm's API is not the one these scenarios drive (mlx-vlm 0.5 changed
+    it), or None. Checked by name and signature before anything runs, so a changed API reads
+    "not applicable" instead of a failure of the fix."""
+    import inspect
+
+    problems = []
+    for module_name, name, params in _DRIVEN:
+        try:
+            obj = getattr(importlib.import_module(module_name), name)
+        except (ImportError, AttributeError):
+            problems.append(f"{module_name}.{name} is gone")
+            continue
+        if not params:
+            continue
+        try:
+            signature = inspect.signature(obj)
+        except (TypeError, ValueError):
+            continue
+        accepted = signature.parameters
+        if any(p.kind is p.VAR_KEYWORD for p in accepted.values()):
+            continue
+        lacking = [p for p in params if p not in accepted]
+        if lacking:
+            problems.append(f"{module_name}.{name} takes no {', '.join(lacking)}")
+    for method in ("insert", "next"):
+        generator = getattr(importlib.import_module("mlx_vlm.generate"), "BatchGenerator", None)
+        if generator is not None and not hasattr(generator, method):
+            problems.append(f"mlx_vlm.generate.BatchGenerator has no {method}()")
+    arch = importlib.import_module(f"mlx_vlm.models.{model_type}")
+    for name in ("Model", "ModelConfig"):
+        if not hasattr(arch, name):
+            problems.append(f"mlx_vlm.models.{model_type}.{name} is gone")
+    if not problems:
+        return None
+    try:
+        from importlib import metadata
+
+        version = metadata.version("mlx-vlm")
+    except Exception:
+        version = "?"
+    return (f"mlx-vlm {version}'s API differs from the one this scenario drives "
+            f"({'; '.join(problems)})")
+
+
 def scenario_outcome(model_type: str):
     from mlx_lm_patches.engine.contract import Outcome
 
     if not available(model_type):
         return Outcome.not_applicable(f"mlx-vlm with {model_type} is not installed")
-    model = build(model_type)
+    why = unsupported_api(model_type)
+    if why:
+        return Outcome.not_applicable(why)
+    try:
+        model = build(model_type)  # mlx-vlm's constructors: not what the patches touch
+    except Exception as exc:
+        return Outcome.not_applicable(f"cannot build a tiny mlx-vlm {model_type} through the API this "
+                                      f"scenario drives: {type(exc).__name__}: {exc}")
     details = []
     for name, run in (("mlx-vlm BatchGenerator", vlm_batched), ("mlx-lm BatchGenerator", mlx_lm_batched)):
         try:

@@ -1,10 +1,19 @@
 """``python -m mlx_lm_patches check``: demonstrate every applicable fix live on the installed mlx-lm.
 
-For each patch the engine applied, run its scenario with every patch on (must be exact), revert
-them all and run it again (shows the failure or the wrong output stock mlx-lm gives), then
-re-apply. For a
-patch skipped because the installed release or the probe says the bug is absent, run the
-scenario on stock mlx-lm (must be correct). The report says, per patch, whether the fix holds.
+Every patch is judged alone. First every patch is applied as it would be for a user (so the
+engine decides which apply), then all of them are reverted. Then, per patch:
+
+* applied -> its scenario runs on stock mlx-lm (everything reverted: must fail, or the bug is not
+  shown), then with only that patch and the patches it declares it ``needs`` in
+  compat_matrix.yaml (must be exact), which are reverted again afterwards;
+* skipped by the version gate or the probe -> its scenario runs on stock mlx-lm (everything
+  reverted but what it ``needs``: must be correct, else the skip hides a gap);
+* a scenario that cannot drive the installed packages (e.g. an mlx-vlm whose API differs)
+  returns "not applicable" and is reported as such, never as a failure.
+
+At the end every patch that was applied before is applied again. The report says, per patch,
+whether the fix holds; the exit code is 0 iff no patch has a gap (a fix that does not hold, a
+skipped patch whose bug stock mlx-lm still shows, or a patch that failed).
 """
 
 import time
@@ -34,54 +43,90 @@ def _run(module) -> Outcome:
         return Outcome.failure("scenario raised", exc)
 
 
-def check_patch(eng: engine.Engine, pid: str) -> CheckResult:
+def _only(eng: engine.Engine, ids) -> List[str]:
+    """Apply exactly ``ids`` (each decided by the engine as usual), everything else reverted."""
+    ids = [i for i in ids if i in eng.records]
+    eng.revert([i for i, r in eng.records.items() if r.state in (State.APPLIED, State.PENDING) and i not in ids])
+    if ids:
+        eng.request(ids, raise_errors=False)
+    return ids
+
+
+def _stock(eng: engine.Engine) -> None:
+    eng.revert([i for i, r in eng.records.items() if r.state in (State.APPLIED, State.PENDING)])
+
+
+def check_patch(eng: engine.Engine, pid: str, state: Optional[State] = None,
+                detail: str = "") -> CheckResult:
+    """Judge ``pid`` alone. ``state``/``detail``: what the engine decided for it as a user would
+    get it (default: its current record); the caller restores the applied patches afterwards."""
     start = time.perf_counter()
     rec = eng.records[pid]
     module = eng.patch_module(pid)
-    state = rec.state
+    if state is None:
+        state, detail = rec.state, rec.detail
+    needs = [i for i in eng.matrix.needed_by(pid) if i != pid]
     without = with_patch = None
+
+    def result(holds, verdict, shown_state=None):
+        return CheckResult(pid, (shown_state or state).value, holds, verdict, without, with_patch,
+                           time.perf_counter() - start)
+
     if state is State.APPLIED:
-        with_patch = _run(module)
+        _stock(eng)
+        without = _run(module)
+        if without.ok is None:
+            return result(True, f"not applicable here: {without.summary}")
+        _only(eng, [pid] + needs)
+        now = eng.records[pid].state
+        try:
+            with_patch = _run(module) if now is State.APPLIED else None
+        finally:
+            _stock(eng)
+        if with_patch is None:
+            return result(False, f"BROKEN: patch did not apply alone ({now.value}: "
+                                 f"{eng.records[pid].detail})", now)
         if with_patch.ok is None:
-            return CheckResult(pid, state.value, True, f"not applicable here: {with_patch.summary}",
-                               None, with_patch, time.perf_counter() - start)
-        # "stock" means no patch at all: patches can overlap (per-row prefill also sidesteps
-        # the 0.31.3 mask bug), so reverting only this one could hide the failure
-        applied = [i for i, r in eng.records.items() if r.state is State.APPLIED]
-        eng.revert(applied)
+            return result(True, f"not applicable here: {with_patch.summary}")
+        if with_patch.ok and not without.ok:
+            return result(True, "fixed: stock mlx-lm fails, patched mlx-lm is exact")
+        if with_patch.ok and without.ok:
+            return result(False, "NOT SHOWN: stock mlx-lm passed the scenario too (probe or "
+                                 "scenario is wrong)")
+        return result(False, "BROKEN: the fix does not hold")
+    if state in (State.SKIPPED_VERSION, State.SKIPPED_PROBE):
+        _only(eng, needs)
         try:
             without = _run(module)
         finally:
-            eng.request(applied, raise_errors=False)
-        holds = with_patch.ok and not without.ok and eng.records[pid].state is State.APPLIED
-        if holds:
-            verdict = "fixed: stock mlx-lm fails, patched mlx-lm is exact"
-        elif with_patch.ok and without.ok:
-            verdict = "NOT SHOWN: stock mlx-lm passed the scenario too (probe or scenario is wrong)"
-        else:
-            verdict = "BROKEN: the fix does not hold"
-    elif state in (State.SKIPPED_VERSION, State.SKIPPED_PROBE):
-        without = _run(module)
-        holds = without.ok is not False
+            _stock(eng)
         if without.ok is None:
-            verdict = f"not applicable here: {without.summary}"
-        else:
-            verdict = ("not needed: stock mlx-lm is correct" if holds
-                       else "GAP: skipped, yet stock mlx-lm fails the scenario")
-    elif state is State.DISABLED:
-        holds, verdict = True, "not checked: disabled"
-    else:
-        holds, verdict = False, f"BROKEN: patch is {state.value}: {rec.detail}"
-    return CheckResult(pid, eng.records[pid].state.value, holds, verdict, without, with_patch,
-                       time.perf_counter() - start)
+            return result(True, f"not applicable here: {without.summary}")
+        if without.ok:
+            return result(True, "not needed: stock mlx-lm is correct")
+        return result(False, "GAP: skipped, yet stock mlx-lm fails the scenario")
+    if state is State.DISABLED:
+        return result(True, "not checked: disabled")
+    return result(False, f"BROKEN: patch is {state.value}: {detail}")
 
 
 def run_check(ids=None) -> List[CheckResult]:
     eng = engine.get()
     chosen = list(eng.records) if ids is None else eng.resolve_ids(ids, "check")
-    # every patch applies, as it would for a user; only the chosen ones are demonstrated
+    # every patch is decided as it would be for a user; only the chosen ones are demonstrated
     eng.request(None, raise_errors=False, import_anchors=True)
-    return [check_patch(eng, pid) for pid in chosen]
+    decided = {pid: (r.state, r.detail) for pid, r in eng.records.items()}
+    applied = [pid for pid, (state, _) in decided.items() if state is State.APPLIED]
+    global restored
+    try:
+        return [check_patch(eng, pid, *decided[pid]) for pid in chosen]
+    finally:
+        _stock(eng)
+        eng.request(applied, raise_errors=False)  # state restored: applied as before
+        restored = (applied, [pid for pid in applied if eng.records[pid].state is State.APPLIED])
+
+
+restored = ([], [])  # after run_check: (applied before, applied again)
 
 
 def _word(outcome: Outcome) -> str:
@@ -105,5 +150,9 @@ def format_report(results: List[CheckResult]) -> str:
             lines.append(f"       with patch: {_word(r.with_patch)} - {r.with_patch.summary}")
             lines.extend(f"         {d}" for d in r.with_patch.details)
     held = sum(r.holds for r in results)
-    lines += ["", f"{held}/{len(results)} fixes hold"]
+    before, again = restored
+    lost = [pid for pid in before if pid not in again]
+    lines += ["", f"{held}/{len(results)} fixes hold",
+              f"applied again after check: {len(again)}/{len(before)}"
+              + (f" (not: {', '.join(lost)})" if lost else "")]
     return "\n".join(lines)

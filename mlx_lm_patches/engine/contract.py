@@ -15,10 +15,41 @@ and ``Retire``, each on a line of its own), and it defines:
   mlx-lm release.
 """
 
+import sys
 from dataclasses import dataclass, field
 from typing import List, Optional
 
 REQUIRED = ("probe", "apply", "scenario")
+
+
+class NotNeeded:
+    """What a probe returns when the fix is not needed and it can say why (falsy). The engine
+    shows the reason in ``status``."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+    def __bool__(self):
+        return False
+
+    def __repr__(self):
+        return f"NotNeeded({self.reason!r})"
+
+
+def missing(*targets: str) -> Optional[NotNeeded]:
+    """``NotNeeded`` naming the first ``module:Qual.name`` of ``targets`` that this mlx-lm lacks
+    (its module not imported, or an attribute on the way absent), else ``None``. For probes that
+    reach for objects beyond their declared targets (the engine checks those)."""
+    for target in targets:
+        module_name, _, qualname = target.partition(":")
+        owner = sys.modules.get(module_name)
+        for name in qualname.split(".") if owner is not None else ():
+            owner = getattr(owner, name, None)
+            if owner is None:
+                break
+        if owner is None:
+            return NotNeeded(f"{target} missing in this mlx-lm: not needed")
+    return None
 DOCSTRING_SECTIONS = ("Bug", "Fix", "Affected", "Upstream", "Retire")
 
 

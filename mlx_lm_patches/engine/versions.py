@@ -1,8 +1,10 @@
 """Installed versions of mlx-lm and mlx, read from distribution metadata without importing them.
 
 mlx-lm bumps its version before tagging, so a git install of ``main`` reports the *next*
-release's number. We say so (``InstalledDist.origin``) and let each patch's probe decide; the
-version gate only rules patches out for releases outside their affected range.
+release's number before that release's fixes land. We say so (``InstalledDist.origin``) and the
+engine lets each patch's probe decide alone for anything that is not a published release
+(:attr:`InstalledDist.is_release`); the version gate only rules patches out for releases outside
+their affected range.
 """
 
 import json
@@ -28,6 +30,16 @@ class InstalledDist:
         except InvalidVersion:
             return None
 
+    @property
+    def is_release(self) -> bool:
+        """A published release installed as such: not a VCS, local-directory or editable install
+        (``direct_url.json`` with ``vcs_info``/``dir_info``) and no dev, pre-release or local
+        version segment. Only then does its version label say which fixes it holds."""
+        if self.version is None or self.origin != "release":
+            return False
+        parsed = self.parsed
+        return parsed is not None and not parsed.is_prerelease and parsed.local is None
+
     def describe(self) -> str:
         if self.version is None:
             return "not installed"
@@ -52,8 +64,13 @@ def installed(name: str) -> InstalledDist:
             origin = f"{'editable' if editable else 'local'} {url}"
     if origin == "release":
         try:
-            if Version(version).is_prerelease:
+            parsed = Version(version)
+            if parsed.is_devrelease:
+                origin = "development version"
+            elif parsed.is_prerelease:
                 origin = "pre-release"
+            elif parsed.local is not None:
+                origin = "local version"
         except InvalidVersion:
             origin = "unparsable version"
     return InstalledDist(name, version, origin)

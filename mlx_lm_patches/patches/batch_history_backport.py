@@ -35,7 +35,7 @@ Metal
 
 import sys
 
-from mlx_lm_patches.engine.contract import Outcome
+from mlx_lm_patches.engine.contract import Outcome, missing
 
 GENERATE = "mlx_lm.generate"
 CACHE = "mlx_lm.models.cache"
@@ -107,6 +107,9 @@ def probe():
     cm = sys.modules[CACHE]
     if hasattr(cm.ArraysCache, "merge"):
         return None
+    gone = missing(f"{GENERATE}:_merge_caches")
+    if gone:
+        return gone
     row = cm.ArraysCache(1)
     import mlx.core as mx
 

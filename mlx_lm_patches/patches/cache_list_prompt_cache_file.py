@@ -33,6 +33,7 @@ Metal
 
 import sys
 
+from mlx_lm_patches.engine.contract import missing
 
 CACHE = "mlx_lm.models.cache"
 
@@ -63,6 +64,9 @@ def _from_state(cls, state, meta_state):
 
 
 def probe():
+    gone = missing(f"{CACHE}:ArraysCache")
+    if gone:
+        return gone
     cache_module = sys.modules[CACHE]
     import mlx.core as mx
 

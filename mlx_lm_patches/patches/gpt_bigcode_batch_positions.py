@@ -7,7 +7,7 @@ Bug
     ``mx.array``, so ``BatchGenerator`` / ``batch_generate`` / the server's batched path crash
     with ``ValueError: [convert] Only length-1 arrays can be converted to Python scalars``. One of
     the "offset as int" consumers that ``tests/test_offset_consumers.py`` finds in mlx-lm's models
-    (the others are listed there and in docs/research/offset_as_int.md).
+    (the others are listed there and in docs/archive/2026-11-research/offset_as_int.md).
 
 Fix
     When the cache offset is an array (batched), compute each row's positions as
@@ -30,9 +30,10 @@ Metal
 
 import sys
 
-from mlx_lm_patches.engine.contract import Outcome
+from mlx_lm_patches.engine.contract import Outcome, missing
 
 MODULE = "mlx_lm.models.gpt_bigcode"
+CACHE = "mlx_lm.models.cache"
 
 
 def _per_row_positions(wrapped, instance, args, kwargs):
@@ -69,6 +70,9 @@ def _tiny_model():
 def probe():
     import mlx.core as mx
 
+    gone = missing(f"{CACHE}:BatchKVCache", f"{MODULE}:ModelArgs", f"{MODULE}:Model")
+    if gone:
+        return gone
     cache = sys.modules["mlx_lm.models.cache"].BatchKVCache([1, 0])
     model = _tiny_model()
     try:

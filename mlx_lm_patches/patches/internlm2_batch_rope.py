@@ -35,6 +35,7 @@ Metal
 
 import sys
 
+from mlx_lm_patches.engine.contract import missing
 from mlx_lm_patches.mechanisms import rope_rows
 
 MODULE = "mlx_lm.models.internlm2"
@@ -79,7 +80,7 @@ def probe_class(cls):
 
 
 def probe():
-    return probe_class(sys.modules[MODULE].DynamicNTKScalingRoPE)
+    return missing(f"{MODULE}:DynamicNTKScalingRoPE") or probe_class(sys.modules[MODULE].DynamicNTKScalingRoPE)
 
 
 def apply(p):

@@ -29,6 +29,7 @@ Metal
 
 import sys
 
+from mlx_lm_patches.engine.contract import missing
 from mlx_lm_patches.patches.internlm2_batch_rope import per_row_dynamic_ntk, probe_class
 
 MODULE = "mlx_lm.models.internlm3"
@@ -36,7 +37,7 @@ PID = "internlm3-batch-rope"
 
 
 def probe():
-    return probe_class(sys.modules[MODULE].DynamicNTKScalingRoPE)
+    return missing(f"{MODULE}:DynamicNTKScalingRoPE") or probe_class(sys.modules[MODULE].DynamicNTKScalingRoPE)
 
 
 def apply(p):

@@ -33,7 +33,7 @@ Metal
 
 import sys
 
-from mlx_lm_patches.engine.contract import Outcome
+from mlx_lm_patches.engine.contract import Outcome, missing
 
 GENERATE = "mlx_lm.generate"
 CACHE = "mlx_lm.models.cache"
@@ -66,6 +66,9 @@ class _Reached(Exception):
 def probe():
     import mlx.core as mx
 
+    gone = missing(f"{CACHE}:KVCache")
+    if gone:
+        return gone
     kv_cache = sys.modules[CACHE].KVCache
 
     class TwoLayersOneCache:

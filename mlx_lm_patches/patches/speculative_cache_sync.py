@@ -63,7 +63,7 @@ Metal
 import logging
 import sys
 
-from mlx_lm_patches.engine.contract import Outcome
+from mlx_lm_patches.engine.contract import Outcome, missing
 
 log = logging.getLogger("mlx_lm_patches")
 
@@ -158,6 +158,9 @@ class _PredictsZero:
 def probe():
     import mlx.core as mx
 
+    gone = missing(f"{CACHE}:KVCache")
+    if gone:
+        return gone
     kv_cache = sys.modules[CACHE].KVCache
     prompt_cache = [kv_cache(), kv_cache()]
     steps = sys.modules[GENERATE].speculative_generate_step(
