@@ -1,11 +1,20 @@
 """The engine: decides, per patch, whether to apply it, applies it, reverts it, reports on it.
 
 Per patch, in this order: disabled by the environment or the caller -> ``disabled``; installed
-mlx-lm (or the distribution the patch names as its ``package``, e.g. mlx-vlm) missing or outside
-the affected range -> ``skipped:version``; otherwise a post-import hook waits for
-the patch's anchor module (``pending``); when it is imported the patch module's ``probe()``
-looks for the bug: absent -> ``skipped:probe``, present -> ``apply(patcher)`` -> ``applied``
-(or ``failed``). ``revert`` restores the original objects -> ``reverted``.
+mlx-lm (or the distribution the patch names as its ``package``, e.g. mlx-vlm) missing, a
+``requires`` distribution outside its range, or a *release* outside the affected range ->
+``skipped:version``; otherwise a post-import hook waits for the patch's anchor module
+(``pending``); when it is imported, a declared target whose owner is missing from an imported
+module -> ``skipped:probe`` ("target X missing in this mlx-lm: not needed"); otherwise the patch
+module's ``probe()`` looks for the bug: absent -> ``skipped:probe``, present -> ``apply(patcher)``
+-> ``applied`` (or ``failed``; a probe that raises is a real bug). ``revert`` restores the
+original objects -> ``reverted``.
+
+The gate (:meth:`Engine.gate_rule`): for a published release the affected range rules patches
+out and the probe confirms; for anything else (a git, local-directory or editable install, or a
+dev/pre-release/local version) the version label cannot be trusted - mlx-lm's ``main`` carries
+the next release's number before that release's fixes land - so the range is not consulted and
+the probe alone decides.
 
 Failures are contained. Automatic activation logs them and lets ``import mlx_lm`` succeed
 (unless ``MLX_LM_PATCHES_STRICT=1``); explicit :func:`apply` raises :class:`PatchError`.
@@ -24,7 +33,8 @@ from typing import Dict, Iterable, List, Optional
 from mlx_lm_patches.engine import env
 from mlx_lm_patches.engine import matrix
 from mlx_lm_patches.engine import versions
-from mlx_lm_patches.engine.patching import Patcher
+from mlx_lm_patches.engine.contract import NotNeeded
+from mlx_lm_patches.engine.patching import Patcher, owner_of, split_target
 
 log = logging.getLogger("mlx_lm_patches")
 
@@ -95,6 +105,52 @@ class Engine:
             if package not in self._packages:
                 self._packages[package] = versions.installed(package)
             return self._packages[package]
+
+    # -- the gate -----------------------------------------------------------------------------
+    def gate_rule(self, package: str = matrix.MLX_LM) -> str:
+        """``"range"``: ``package`` is a published release, so the affected ranges rule patches
+        out and the probes confirm; ``"probe"``: it is not (git/local/editable install, dev or
+        pre-release or local version) - its label may name a release whose fixes it lacks or
+        holds - so each patch's probe alone decides; ``"missing"``: not installed."""
+        dist = self.installed(package)
+        if dist.version is None:
+            return "missing"
+        return "range" if dist.is_release else "probe"
+
+    def gate_text(self, package: str = matrix.MLX_LM) -> str:
+        """``status``'s gate line, e.g. ``version range + probe``."""
+        rule = self.gate_rule(package)
+        if rule == "range":
+            return "version range + probe"
+        dist = self.installed(package)
+        if rule == "missing":
+            return f"none ({package} not installed)"
+        where = dist.origin
+        if where.startswith("git ") or " http" in where or where.split(" ")[0] in ("hg", "svn", "bzr"):
+            how = f"installed from {where}"
+        elif where.startswith("local "):
+            how = f"installed from the local directory {where[len('local '):]}"
+        elif where.startswith("editable "):
+            how = f"installed editable from {where[len('editable '):]}"
+        else:
+            how = f"version {dist.version} is a {where}"
+        return f"probe only ({package} {how}: its version label need not match a release)"
+
+    def warnings(self) -> List[str]:
+        """Why the matrix may not vouch for the installed mlx-lm."""
+        out = []
+        dist = self.mlx_lm
+        if dist.version is None:
+            return out
+        newest = self.matrix.newest_tested()
+        if not dist.is_release:
+            out.append(f"mlx-lm {dist.describe()} is not a published release: the version "
+                       "ranges are not consulted, each patch's probe decides alone")
+        if newest is not None and dist.parsed is not None and dist.parsed > newest:
+            out.append(f"mlx-lm {dist.version} is newer than the newest tested release "
+                       f"({newest}); patches are decided by their probes, run "
+                       "`python -m mlx_lm_patches check` to see the fixes hold")
+        return out
 
     def other_packages(self) -> List[versions.InstalledDist]:
         """The distributions besides mlx-lm that patches are about, as installed."""
@@ -174,10 +230,10 @@ class Engine:
                 package = rec.spec.package
                 dist = self.installed(package)
                 version = dist.parsed
-                if version is None:
+                if dist.version is None or (version is None and dist.is_release):
                     self._set(rec, State.SKIPPED_VERSION, f"{package} {dist.describe()}")
                     continue
-                if not rec.spec.affects(version):
+                if dist.is_release and not rec.spec.affects(version):
                     fixed = f"; fixed in {rec.spec.fixed_in}" if rec.spec.fixed_in else ""
                     self._set(
                         rec,
@@ -225,6 +281,10 @@ class Engine:
             if rec.state is not State.PENDING:
                 return  # reverted or decided meanwhile
             spec = rec.spec
+            gone = missing_target(spec)
+            if gone:
+                self._set(rec, State.SKIPPED_PROBE, f"target {gone} missing in this mlx-lm: not needed")
+                return
             try:
                 patch_module = self.patch_module(spec.id)
                 evidence = patch_module.probe()
@@ -232,7 +292,9 @@ class Engine:
                 self._fail(rec, f"probe raised {type(exc).__name__}: {exc}", exc)
                 return
             if not evidence:
-                self._set(rec, State.SKIPPED_PROBE, "probe: bug not present in this mlx-lm")
+                why = (evidence.reason if isinstance(evidence, NotNeeded)
+                       else "bug not present in this mlx-lm")
+                self._set(rec, State.SKIPPED_PROBE, f"probe: {why}")
                 return
             patcher = Patcher(spec.id, spec.targets, lambda rec=rec: rec.active,
                               outer=self.matrix.later_than(spec.id))
@@ -351,6 +413,26 @@ class Engine:
 
     def rows(self) -> List[PatchStatus]:
         return [self.row(pid) for pid in self.records]
+
+
+def missing_target(spec: matrix.PatchSpec) -> Optional[str]:
+    """The owner (``module:Qual``) of the first declared target (not marked optional) that is
+    absent although its module is imported, else ``None``. The
+    attribute itself may be missing: patches add attributes too. Targets in modules not
+    imported yet are not judged (they are patched when imported)."""
+    for target in spec.targets:
+        if target in spec.optional_targets:
+            continue
+        module_name, qualname = split_target(target)
+        if module_name not in sys.modules:
+            continue
+        if "." not in qualname:
+            continue  # a module attribute: the module is its owner, and it is there
+        try:
+            owner_of(target)
+        except (KeyError, AttributeError, TypeError):
+            return f"{module_name}:{qualname.rsplit('.', 1)[0]}"
+    return None
 
 
 def _strict() -> bool:

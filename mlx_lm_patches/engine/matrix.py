@@ -40,6 +40,10 @@ class PatchSpec:
     package: str = MLX_LM  # the distribution whose version ``affected`` is about
     # further distributions the bug needs, e.g. (("mlx", SpecifierSet(">=0.32.0")),)
     requires: Tuple[Tuple[str, SpecifierSet], ...] = ()
+    # targets marked ``?`` in the file: present in some releases only (an alternative to another
+    # target), so their absence does not rule the patch out
+    optional_targets: Tuple[str, ...] = ()
+    needs: Tuple[str, ...] = ()  # patch ids whose fixes this patch's scenario cannot pass without
     # patch ids this one is layered over on the targets they share (its wrappers stay outside theirs)
     after: Tuple[str, ...] = ()
 
@@ -57,6 +61,20 @@ class PatchSpec:
 
     def affects(self, version: Version) -> bool:
         return self.affected.contains(version, prereleases=True)
+
+    def version_verdict(self, installed) -> Optional[bool]:
+        """What the versions alone say (``installed(name)`` gives an installed distribution):
+        ``False`` when they rule the bug out (``package`` missing or, for a release, outside
+        ``affected``; a ``requires`` distribution outside its range), ``True`` when a release
+        lies inside ``affected``, ``None`` when ``package`` is not a published release (a git,
+        local or editable install, or a dev/pre-release/local version), whose label cannot be
+        trusted: the probe alone decides. The engine's gate, for tests to share."""
+        dist = installed(self.package)
+        if dist.version is None or self.unmet_requirement(installed):
+            return False
+        if not dist.is_release:
+            return None
+        return dist.parsed is not None and self.affects(dist.parsed)
 
     def unmet_requirement(self, installed) -> Optional[str]:
         """Why a further distribution the bug needs rules it out (``installed(name)`` gives an
@@ -99,6 +117,16 @@ class Matrix:
     def ids(self) -> Tuple[str, ...]:
         return tuple(spec.id for spec in self.patches)
 
+    def needed_by(self, patch_id: str) -> Tuple[str, ...]:
+        """``patch_id`` and every patch it needs, transitively (``needs``), in matrix order."""
+        wanted, todo = {patch_id}, [patch_id]
+        while todo:
+            for other in self.get(todo.pop()).needs:
+                if other not in wanted:
+                    wanted.add(other)
+                    todo.append(other)
+        return tuple(i for i in self.ids() if i in wanted)
+
     def later_than(self, patch_id: str) -> FrozenSet[str]:
         """The patches declared ``after`` ``patch_id``, transitively: on a shared target their
         layers stay outside its layer."""
@@ -114,6 +142,11 @@ class Matrix:
     def ordered(self, first: str, second: str) -> bool:
         """Whether the matrix declares an order between two patches (either way)."""
         return second in self.later_than(first) or first in self.later_than(second)
+
+    def newest_tested(self) -> Optional[Version]:
+        """The newest mlx-lm release in ``tested_versions``."""
+        tested = [Version(t.mlx_lm) for t in self.tested_versions]
+        return max(tested) if tested else None
 
 
 def default_path() -> Path:
@@ -153,6 +186,12 @@ def parse(data, path: Path) -> Matrix:
     if duplicates:
         raise MatrixError(f"{where}: duplicate patch ids {duplicates}")
     for spec in patches:
+        unknown = [n for n in spec.needs if n not in ids]
+        if unknown:
+            raise MatrixError(f"{where}: patch {spec.id}: needs names unknown patch id(s) "
+                              f"{unknown}; known: {', '.join(ids)}")
+        if spec.id in spec.needs:
+            raise MatrixError(f"{where}: patch {spec.id}: needs names the patch itself")
         unknown = [n for n in spec.after if n not in ids]
         if unknown:
             raise MatrixError(f"{where}: patch {spec.id}: after names unknown patch id(s) "
@@ -210,7 +249,7 @@ def _tested(row, where) -> TestedVersion:
 
 
 _PATCH_KEYS = {"id", "summary", "affected", "fixed_in", "upstream", "targets", "probe"}
-_OPTIONAL_KEYS = {"metal_note", "package", "requires", "after"}
+_OPTIONAL_KEYS = {"metal_note", "package", "requires", "needs", "after"}
 
 
 def _patch(row, where) -> PatchSpec:
@@ -229,7 +268,9 @@ def _patch(row, where) -> PatchSpec:
     package = str(row.get("package", MLX_LM))
     if not _DISTRIBUTION.match(package):
         raise MatrixError(f"{where}: package {package!r} is not a distribution name")
-    targets = tuple(row["targets"] or ())
+    marked = tuple(row["targets"] or ())
+    targets = tuple(t[:-1] if isinstance(t, str) and t.endswith("?") else t for t in marked)
+    optional = tuple(t[:-1] for t in marked if isinstance(t, str) and t.endswith("?"))
     bad = [t for t in targets if not isinstance(t, str) or not _TARGET.match(t)]
     if not targets or bad:
         raise MatrixError(f"{where}: targets must be non-empty 'module:qualname' strings; bad: {bad}")
@@ -248,6 +289,9 @@ def _patch(row, where) -> PatchSpec:
     if not isinstance(requires, dict) or not all(_DISTRIBUTION.match(str(n)) for n in requires):
         raise MatrixError(f"{where}: requires must map distribution names to version specifiers; got {requires!r}")
     requires = tuple((str(n), _specifier(v, f"{where}: requires {n}")) for n, v in requires.items())
+    needs = row.get("needs") or ()
+    if not isinstance(needs, (list, tuple)) or not all(isinstance(n, str) and _ID.match(n) for n in needs):
+        raise MatrixError(f"{where}: needs must be a list of patch ids; got {needs!r}")
     after = row.get("after") or ()
     if not isinstance(after, (list, tuple)) or not all(isinstance(n, str) and _ID.match(n) for n in after):
         raise MatrixError(f"{where}: after must be a list of patch ids; got {after!r}")
@@ -267,5 +311,7 @@ def _patch(row, where) -> PatchSpec:
         metal_note=row.get("metal_note"),
         package=package,
         requires=requires,
+        optional_targets=optional,
+        needs=tuple(dict.fromkeys(needs)),
         after=tuple(dict.fromkeys(after)),
     )
