@@ -44,7 +44,7 @@ Metal
     Loading only; no kernel involved.
 """
 
-from mlx_lm_patches.engine.contract import Outcome
+from mlx_lm_patches.engine.contract import NotNeeded, Outcome
 
 UTILS = "mlx_lm.utils"
 FAMILY_MODULES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "nemotron_h")
@@ -77,7 +77,10 @@ def _load_model_with_mtp(wrapped, instance, args, kwargs, track=None):
 
 
 def probe():
-    from mlx_lm.models import qwen3_next
+    try:
+        from mlx_lm.models import qwen3_next
+    except ImportError:
+        return NotNeeded("qwen3_next (mlx_lm.models.qwen3_next) missing in this mlx-lm: not needed")
 
     if hasattr(qwen3_next.Model, "mtp_forward") or hasattr(qwen3_next.Model, "mtp"):
         return None
