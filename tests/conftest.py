@@ -106,3 +106,47 @@ def pytest_runtest_makereport(item, call):
     for name, value in getattr(item, "funcargs", {}).items():
         if isinstance(value, Server):
             report.sections.append((f"mlx_lm.server log ({name}, tail)", value.log_tail(80)))
+
+
+# Tests that depend on the Python version but not on the installed mlx-lm: tools/run_matrix.py
+# runs them on one row per Python version (``-m "not python_only"`` on the others).
+PYTHON_ONLY = (
+    "test_activation.py",
+    "test_engine_fake.py",
+    "test_env.py",
+    "test_matrix_file.py",
+    "test_cli.py::test_status_text_and_disabled_activation",
+    "test_cli.py::test_status_exits_non_zero_when_a_patch_failed",
+    "test_cli.py::test_check_unknown_id_is_a_clear_error",
+    "test_cli.py::test_table_matches_matrix",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        where = f"{item.path.name}::{item.originalname}"
+        if item.path.name in PYTHON_ONLY or where in PYTHON_ONLY:
+            item.add_marker(pytest.mark.python_only)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--full-sweeps", action="store_true",
+                     help="run every family of a family sweep on this row (see tests/support/sweeps.py)")
+
+
+@pytest.fixture(autouse=True)
+def _family_sweep(request):
+    """A test marked ``family_sweep(families)`` and parametrized by ``model_type`` runs a family
+    in full only where its model source changed since an earlier row of the matrix with the
+    same mlx, or where it represents its cache layout (tests/support/sweeps.py)."""
+    marker = request.node.get_closest_marker("family_sweep")
+    callspec = getattr(request.node, "callspec", None)
+    if marker is None or callspec is None:
+        return
+    family, families = callspec.params.get("model_type"), tuple(marker.args[0])
+    if family in families:
+        from support import sweeps
+
+        reason = sweeps.skip_reason(family, families, full=request.config.getoption("--full-sweeps"))
+        if reason:
+            pytest.skip(reason)

@@ -79,6 +79,7 @@ def _swap(model):
 UNPACKS_FRESH_CACHE = ("kimi_linear", "kimi_k3")  # `conv_state, ssm_state = cache` before any write
 
 
+@pytest.mark.family_sweep(_flat_recurrent_families())
 @pytest.mark.parametrize("model_type", _flat_recurrent_families())
 def test_decoding_and_round_trip_exact_with_unsized_caches(model_type):
     model = build_tiny_model(model_type, seed=7)

@@ -27,6 +27,7 @@ def _cell(model_type, situation):
 CELLS = [_cell(t, s) for t in [DENSE_MODEL_TYPE] + available_model_types() for s in SITUATIONS]
 
 
+@pytest.mark.family_sweep(available_model_types())
 @pytest.mark.parametrize("model_type,situation", CELLS)
 def test_batched_equals_single_sequence(model_type, situation):
     model = build_tiny_model(model_type, seed=1)

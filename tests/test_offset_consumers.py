@@ -35,6 +35,7 @@ scanned (its caches own their int offsets; the batch caches pass their int ``_id
 """
 
 import ast
+import functools
 import importlib.util
 import os
 import pathlib
@@ -66,6 +67,18 @@ PASS_THROUGH_CALLS = {"mx.array", "mx.maximum", "mx.minimum"}
 TESTS = (ast.If, ast.While, ast.IfExp, ast.Assert)
 
 
+def _name(func):
+    """The dotted name of a called expression (``mx.arange``): as ``ast.unparse`` writes it, but
+    without unparsing the plain ``a.b.c`` chains that nearly every call is (the scan's hot spot)."""
+    parts, node = [], func
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        return ".".join([node.id] + parts[::-1])
+    return ast.unparse(func)
+
+
 def _is_cache_offset(node):
     return (isinstance(node, ast.Attribute) and node.attr == "offset" and isinstance(node.ctx, ast.Load)
             and not (isinstance(node.value, ast.Name) and node.value.id == "self"))
@@ -77,7 +90,7 @@ def _value_nodes(expr):
         node = stack.pop()
         yield node
         if isinstance(node, ast.Call):
-            if ast.unparse(node.func) in PASS_THROUGH_CALLS:
+            if _name(node.func) in PASS_THROUGH_CALLS:
                 stack.extend(node.args)
             continue
         if not isinstance(node, (ast.Lambda, ast.ListComp, ast.GeneratorExp, ast.SetComp, ast.DictComp)):
@@ -96,20 +109,20 @@ def _int_context(node, parents):
     if isinstance(parent, ast.Attribute) and parent.attr == "item" and isinstance(parents.get(parent), ast.Call):
         return ".item()"
     if isinstance(parent, ast.Call) and current in parent.args:
-        name = ast.unparse(parent.func)
+        name = _name(parent.func)
         if name in INT_ONLY_CALLS:
             return f"{name}()"
         if name.endswith("create_causal_mask"):
             return "create_causal_mask() argument"
     if isinstance(parent, ast.keyword) and isinstance(parents.get(parent), ast.Call):
-        if ast.unparse(parents[parent].func).endswith("create_causal_mask"):
+        if _name(parents[parent].func).endswith("create_causal_mask"):
             return "create_causal_mask() argument"
     shape, owner = current, parent
     while isinstance(owner, (ast.Tuple, ast.List)):
         shape, owner = owner, parents.get(owner)
     if shape is not current and isinstance(owner, ast.Call) and shape in owner.args:
-        if ast.unparse(owner.func) in SHAPE_CALLS:
-            return f"{ast.unparse(owner.func)}() shape"
+        if _name(owner.func) in SHAPE_CALLS:
+            return f"{_name(owner.func)}() shape"
     test, owner = current, parent
     if isinstance(owner, ast.Compare) and all(isinstance(op, (ast.Is, ast.IsNot)) for op in owner.ops):
         return None
@@ -134,7 +147,7 @@ def int_offset_uses(source, filename="<source>"):
             elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 function(child, f"{prefix}{child.name}")
                 visit(child, f"{prefix}{child.name}.")
-            else:
+            elif not isinstance(child, ast.expr):  # no definition lives inside an expression
                 visit(child, prefix)
 
     def own_nodes(function_node):
@@ -149,6 +162,8 @@ def int_offset_uses(source, filename="<source>"):
         a = node.args
         tainted = {p.arg for p in a.posonlyargs + a.args + a.kwonlyargs if p.arg in OFFSET_PARAMETERS}
         body = list(own_nodes(node))
+        if not tainted and not any(_is_cache_offset(n) for n in body):
+            return  # no offset reaches this function: nothing to follow
         changed = True
         while changed:
             changed = False
@@ -174,7 +189,10 @@ def _models_dir():
     return pathlib.Path(importlib.util.find_spec("mlx_lm").origin).parent / "models"
 
 
-FINDINGS = [f for path in sorted(_models_dir().glob("*.py")) if path.name != "cache.py"
+@functools.lru_cache(maxsize=None)
+def findings():
+    """The scan of the installed mlx-lm's model files (run once, when a test first needs it)."""
+    return [f for path in sorted(_models_dir().glob("*.py")) if path.name != "cache.py"
             for f in int_offset_uses(path.read_text(), path.name)]
 
 
@@ -341,7 +359,7 @@ def test_scanner_examples_fail_on_real_mlx():
 
 def test_no_unknown_int_offset_consumer():
     unknown = [f"{file}:{line} {qualname} ({context}: {expression})"
-               for file, line, qualname, context, expression in FINDINGS
+               for file, line, qualname, context, expression in findings()
                if not _known((file, line, qualname, context, expression))]
     assert not unknown, (
         "cache offset used as a Python int (breaks batched decoding, where it is a per-row "
@@ -422,7 +440,7 @@ def _probe_model(entry, index):
 def test_known_consumer_in_batched_generation(key, index):
     entry = KNOWN[key]
     model_type, model = _probe_model(entry, index)
-    here = {(f[0], f[1]) for f in FINDINGS if (f[0], f[2]) == key}
+    here = {(f[0], f[1]) for f in findings() if (f[0], f[2]) == key}
     if entry["how"] == "not batchable":
         with pytest.raises(Exception) as caught:
             _run_situations(model, model_type)
@@ -443,7 +461,7 @@ def test_int_offset_files_that_tiny_models_build_batch_exactly():
     """Every model type with a finding in its own module that tiny_models can build: the three
     batching situations equal single-sequence greedy decoding."""
     candidates = {t for t in tiny_models.HYBRID_MODEL_TYPES + (tiny_models.DENSE_MODEL_TYPE,)
-                  if f"{t.replace('-', '_')}.py" in {f[0] for f in FINDINGS}}
+                  if f"{t.replace('-', '_')}.py" in {f[0] for f in findings()}}
     types = sorted(t for t in candidates if t in tiny_models.available_model_types(hybrid_only=False))
     if not types:
         pytest.skip("no model type with an int-offset finding in its own module is in tiny_models")

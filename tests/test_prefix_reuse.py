@@ -35,6 +35,7 @@ def store_class():
     return lru_prompt_cache_class()
 
 
+@pytest.mark.family_sweep(HYBRIDS)
 @pytest.mark.parametrize("path", ["generate_step", "BatchGenerator"])
 @pytest.mark.parametrize("model_type", HYBRIDS)
 def test_diverging_request_reuses_an_exact_earlier_state(model_type, path, store_class):

@@ -27,6 +27,7 @@ def _models(model_type, draft_kind):
     return model, build_tiny_model(DENSE_MODEL_TYPE, seed=2)
 
 
+@pytest.mark.family_sweep(HYBRIDS)
 @pytest.mark.parametrize("draft_kind", ["self", "rejecting", "dense"])
 @pytest.mark.parametrize("model_type", [DENSE_MODEL_TYPE] + HYBRIDS)
 def test_speculative_equals_greedy(model_type, draft_kind):
@@ -39,6 +40,7 @@ def test_speculative_equals_greedy(model_type, draft_kind):
         assert problem is None, f"num_draft_tokens={num_draft}: {problem}"
 
 
+@pytest.mark.family_sweep(HYBRIDS)
 @pytest.mark.parametrize("draft_kind", ["rejecting", "dense"])
 @pytest.mark.parametrize("model_type", HYBRIDS)
 def test_supplied_prompt_cache(model_type, draft_kind):
@@ -54,6 +56,7 @@ def test_supplied_prompt_cache(model_type, draft_kind):
     assert reference.compare(got) is None, reference.compare(got)
 
 
+@pytest.mark.family_sweep(HYBRIDS)
 @pytest.mark.parametrize("model_type", [DENSE_MODEL_TYPE] + HYBRIDS)
 def test_logits_processors(model_type):
     """With a logits processor in the loop (a logit bias that changes the greedy choice), drafts
@@ -73,6 +76,7 @@ def test_logits_processors(model_type):
     assert reference.compare(got) is None, reference.compare(got)
 
 
+@pytest.mark.family_sweep(HYBRIDS)
 @pytest.mark.parametrize("model_type", HYBRIDS)
 def test_reset_on_trim_is_wrong_and_the_journal_is_exact(model_type):
     """The trap. Prefill, run a 5-token verify pass, keep 2 of its tokens. Resetting the

@@ -60,6 +60,7 @@ __all__ = [
     "build_tiny_model",
     "cache_kinds",
     "cache_leaf_kinds",
+    "cache_layout",
     "KNOWN_ISSUES",
 ]
 
@@ -1032,16 +1033,26 @@ def available_model_types(hybrid_only: bool = True) -> List[str]:
 _BUILDABLE: Dict[str, bool] = {}
 
 
+_LAYOUTS: Dict[str, str] = {}
+
+
 def _buildable(model_type: str) -> bool:
     if model_type not in _BUILDABLE:
         ok = _module_exists(model_type)
         if ok:
             try:
-                build_tiny_model(model_type)
+                model = build_tiny_model(model_type)
+                _LAYOUTS[model_type] = "+".join(sorted(set(cache_leaf_kinds(model))))
             except Exception:  # a release whose module cannot build tiny
                 ok = False
         _BUILDABLE[model_type] = ok
     return _BUILDABLE[model_type]
+
+
+def cache_layout(model_type: str) -> str:
+    """The set of cache classes a family's prompt cache holds, e.g. ``"ArraysCache+KVCache"``
+    (``CacheList`` entries spelled with their contents); ``""`` if it does not build here."""
+    return _LAYOUTS.get(model_type, "") if _buildable(model_type) else ""
 
 
 def _make_cache(model: nn.Module) -> list:

@@ -40,7 +40,7 @@ Affected
 
 Upstream
     https://github.com/ml-explore/mlx-lm/blob/v0.32.2/mlx_lm/generate.py
-    (``PromptProcessingBatch.prompt``); per-model root causes in docs/research/batching.md.
+    (``PromptProcessingBatch.prompt``); per-model root causes in docs/archive/2026-11-research/batching.md.
 
 Retire
     When every recurrent family in mlx-lm masks padded positions in batched prefill (the probe
