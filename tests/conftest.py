@@ -4,6 +4,7 @@ The suite runs against the *installed* package (tools/run_matrix.py installs the
 non-editable into one venv per tested mlx-lm release), so the real ``.pth`` is exercised.
 """
 
+import functools
 import json
 import os
 import subprocess
@@ -71,14 +72,27 @@ def mlx_lm_version():
 
 
 def affected(patch_id):
-    """Whether compat_matrix.yaml says the installed mlx-lm (or the distribution the patch names
-    as its ``package``) has the bug ``patch_id`` fixes; never where that distribution is missing."""
+    """Whether the installed mlx-lm (or the distribution the patch names as its ``package``) has
+    the bug ``patch_id`` fixes: for a release, what compat_matrix.yaml says (never where that
+    distribution is missing or a ``requires`` is unmet); for an install that is not a release
+    (git, local path, dev version), what the probe finds, as the engine decides there."""
     from mlx_lm_patches.engine import matrix
     from mlx_lm_patches.engine import versions
 
-    spec = matrix.load().get(patch_id)
-    version = versions.installed(spec.package).parsed
-    return version is not None and spec.affects(version) and spec.unmet_requirement(versions.installed) is None
+    verdict = matrix.load().get(patch_id).version_verdict(versions.installed)
+    if verdict is not None:
+        return verdict
+    return _probe_states()[patch_id] == "applied"
+
+
+@functools.lru_cache(maxsize=None)
+def _probe_states():
+    """Each patch's state after ``apply()`` in a fresh interpreter (every anchor imported, so
+    the probes decide): used only where the installed mlx-lm is not a release."""
+    ran = run_python("import json, mlx_lm_patches; "
+                     "print(json.dumps({r.id: r.state for r in mlx_lm_patches.apply()}))")
+    assert ran.returncode == 0, ran.stderr
+    return json.loads(ran.stdout.strip().splitlines()[-1])
 
 
 def xfail_if_affected(patch_id, reason=""):
