@@ -4,7 +4,7 @@ MTP head kept (Qwen3-Next, Qwen3.5/3.6 dense and MoE, Nemotron-H).
 Bug
     mlx-lm has no module for the MTP head that Qwen3-Next, Qwen3.5/3.6 and Nemotron-H
     (Nemotron 3 Super) checkpoints carry, and
-    its ``sanitize`` methods handle the ``mtp.*`` tensors badly (docs/research/mtp.md, measured):
+    its ``sanitize`` methods handle the ``mtp.*`` tensors badly (docs/archive/2026-11-research/mtp.md, measured):
     * qwen3_next, MLX-format weights (every release): ``sanitize`` returns before its ``mtp.``
       filter, so loading fails: ``Received N parameters not in model``.
     * qwen3_5 / qwen3_5_moe 0.30.7 - 0.31.3: the presence of ``mtp.*`` keys makes ``sanitize``
@@ -25,7 +25,8 @@ Fix
     quantize exactly the layers stored quantized (per-layer entries of ``config["quantization"]``
     first, else the stored shapes), and load it strictly. The head is attached as ``model.mtp``
     outside the parameter tree (``revert()`` takes the decoding interface and its class swap off
-    the models loaded meanwhile; the head itself stays, as loaded data); ``model.mtp_status`` says what happened (kept, no head, declared
+    the models loaded meanwhile; the head itself stays, as loaded data); ``model.mtp_status`` says
+    what happened (kept, no head, declared
     but missing, which tensors are missing, what this mlx-lm cannot build - e.g. a Nemotron-H
     MoE block before 0.30.0 - or not kept for this family).
 
