@@ -87,12 +87,17 @@ class Op:
 
     def in_place(self) -> bool:
         """Our object is the live attribute, or lies under other layers of ours only (patches
-        stacked on one target, e.g. wrappers of ``speculative_generate_step``)."""
-        return _chain_to(self) is not None
+        stacked on one target, e.g. wrappers of ``speculative_generate_step``), or waits for the
+        layer that adds its attribute (suspended)."""
+        return _chain_to(self) is not None or self in _SUSPENDED.get(_key(self.owner, self.attr), ())
 
     def undo(self) -> Optional[str]:
         """Take this layer out (restoring the original when it is the last one); returns a note
         when someone else has replaced our object."""
+        suspended = _SUSPENDED.get(_key(self.owner, self.attr))
+        if suspended and self in suspended:
+            suspended.remove(self)
+            return None
         path = _chain_to(self)
         if path is None:
             _forget(self)
@@ -105,11 +110,25 @@ class Op:
                     delattr(self.owner, self.attr)
             else:
                 setattr(self.owner, self.attr, below)
+        elif below is MISSING and not _has_beneath(self.owner, self.attr):
+            # this layer added the attribute: the layers above it have nothing to wrap, so they
+            # come off with it and wait (suspended) until a layer adds the attribute again
+            delattr(self.owner, self.attr)
+            for op in path:
+                _forget(op)
+            _SUSPENDED.setdefault(_key(self.owner, self.attr), [])[:0] = path
         else:
             parent.original = below
             if _links(parent.installed):
-                inner = self.installed.__wrapped__ if _links(self.installed) else (
-                    below if below is not MISSING else _beneath(self.owner, self.attr, self.target))
+                if _links(self.installed):
+                    inner = self.installed.__wrapped__
+                elif below is not MISSING:
+                    inner = below
+                else:  # the layer added the attribute: the one above now wraps its absence
+                    try:
+                        inner = _beneath(self.owner, self.attr, self.target)
+                    except AttributeError:
+                        inner = _absent(self.target)
                 parent.installed.__wrapped__ = inner
         _forget(self)
         return None
@@ -131,6 +150,27 @@ class Instance:
 
 # -- the layers of ours on each attribute ---------------------------------------------------
 _LAYERS: Dict[tuple, List[Op]] = {}  # (id(owner), attr) -> live layers
+_SUSPENDED: Dict[tuple, List[Op]] = {}  # layers waiting for their attribute, outermost first
+
+
+def _has_beneath(owner, attr) -> bool:
+    try:
+        _beneath(owner, attr, attr)
+        return True
+    except AttributeError:
+        return False
+
+
+def _resume(owner, attr) -> None:
+    """Put suspended layers back on top of the attribute a layer has just added again."""
+    waiting = _SUSPENDED.pop(_key(owner, attr), [])
+    for op in reversed(waiting):  # innermost first
+        below = vars(owner).get(attr, MISSING)
+        op.original = below
+        if _links(op.installed):
+            op.installed.__wrapped__ = below
+        setattr(owner, attr, op.installed)
+        _remember(op)
 
 
 def _key(owner, attr):
@@ -187,6 +227,16 @@ def _links(obj) -> bool:
     import wrapt
 
     return isinstance(obj, (wrapt.FunctionWrapper, _StackedProperty))
+
+
+def _absent(target):
+    """Stands in under a layer whose attribute another layer added and has taken out again:
+    calling it fails as the attribute's absence would."""
+    def absent(*args, **kwargs):
+        raise AttributeError(f"{target} is not there (the patch that added it is reverted)")
+
+    absent.__name__ = absent.__qualname__ = target.rpartition(".")[2]
+    return absent
 
 
 def _beneath(owner, attr, target):
@@ -336,6 +386,8 @@ class Patcher:
         self._link(owner, attr, parent, proxy)
         _remember(op)
         self.ops.append(op)
+        if parent is None and below is MISSING:
+            _resume(owner, attr)
 
     def _set_now(self, target: str, value: Any) -> None:
         owner, attr = owner_of(target)
@@ -352,6 +404,8 @@ class Patcher:
         self._link(owner, attr, parent, value)
         _remember(op)
         self.ops.append(op)
+        if parent is None and below is MISSING:
+            _resume(owner, attr)
 
 
 class _StackedProperty(property):
