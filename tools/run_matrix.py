@@ -16,6 +16,10 @@ What keeps a full run inside CI's budget (2 cores), without dropping a cell:
   file, CLI status/table) do not depend on mlx-lm: they run on one row per Python version, the
   newest mlx-lm row of that Python, and are deselected elsewhere (``-m "not python_only"``).
 
+After pytest, one row per mlx-lm release (its release-time mlx, no extra packages) also runs
+mlx-lm's own offline tests from that release's sdist, stock and patched, and fails on any test
+that passes stock and fails patched (``tools/upstream_tests.py``).
+
 nox or tox-uv would give the venvs but not the grouping: neither runs sessions in parallel, and
 on 2 cores two sessions at a time are what fits the budget.
 
@@ -67,9 +71,11 @@ def build_wheel() -> Path:
     return wheel
 
 
-def counts(text: str):
-    """passed/failed(+errors) from pytest's closing line."""
-    last = [line for line in text.splitlines() if re.search(r"\d+ (passed|failed|error)", line)]
+def counts(text: str, plain: bool = False):
+    """passed/failed(+errors) from pytest's closing line (``plain``: from a line that is just
+    ``N passed, N failed``, as tools/upstream_tests.py prints)."""
+    pattern = r"^\d+ passed, \d+ failed$" if plain else r"\d+ (passed|failed|error)"
+    last = [line for line in text.splitlines() if re.search(pattern, line)]
     if not last:
         return 0, 0
     line = last[-1]
@@ -92,7 +98,7 @@ def session(row, wheel: Path, reuse: bool, pytest_args) -> dict:
             return subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, env=kw.pop("env", env), **kw).returncode
 
         python = find_python(row["python"])
-        rc = 0
+        rc, tested = 0, False
         if not (reuse and (venv / "bin" / "python").exists()):
             shutil.rmtree(venv, ignore_errors=True)
             rc = step(["uv", "venv", "-q", "-p", python, str(venv)])
@@ -108,10 +114,22 @@ def session(row, wheel: Path, reuse: bool, pytest_args) -> dict:
             test_env = dict(env, MLX_LM_PATCHES_STRICT="1", MLX_LM_PATCHES_EXPECT_INSTALLED="1", TMPDIR=str(tmp),
                             VIRTUAL_ENV=str(venv), PATH=f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}")
             selection = [] if row["python_only"] else ["-m", "not python_only"]
+            tested = True
             rc = step([str(venv / "bin" / "pytest"), "-q", "-p", "no:cacheprovider", "-rfE", *selection, *pytest_args],
                       cwd=str(REPO), env=test_env)
-    text = log.read_text()
-    passed, failed = counts(text)
+    ours = counts(log.read_text())
+    upstream = (0, 0)
+    if tested and row["upstream_tests"] and not pytest_args:
+        with open(log, "a") as out:
+            out.write(f"$ python tools/upstream_tests.py --python {venv / 'bin' / 'python'}\n")
+            out.flush()
+            done = subprocess.run([sys.executable, str(REPO / "tools" / "upstream_tests.py"), "--python",
+                                   str(venv / "bin" / "python")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True, env=dict(env, TMPDIR=str(KERNEL_CACHES / row["mlx"])))
+            out.write(done.stdout)
+        upstream = counts(done.stdout, plain=True)
+        rc = rc or done.returncode
+    passed, failed = ours[0] + upstream[0], ours[1] + upstream[1]
     if rc != 0 and failed == 0:
         failed = 1  # install failure or a crash before pytest's summary
     return dict(name=name, rc=rc, passed=passed, failed=failed, seconds=time.monotonic() - started, log=log)
@@ -132,6 +150,19 @@ def mark_python_only_rows(rows) -> None:
             best[row["python"]] = (rank, row)
     for row in rows:
         row["python_only"] = best[row["python"]][1] is row
+
+
+def mark_upstream_rows(rows) -> None:
+    """One row per mlx-lm release runs its upstream tests: the one with the oldest mlx (the
+    release-time pin) and no extra packages."""
+    best = {}
+    for row in rows:
+        if row["packages"]:
+            continue
+        if row["mlx_lm"] not in best or release(row["mlx"]) < release(best[row["mlx_lm"]]["mlx"]):
+            best[row["mlx_lm"]] = row
+    for row in rows:
+        row["upstream_tests"] = best.get(row["mlx_lm"]) is row
 
 
 def groups_by_mlx(rows) -> list:
@@ -160,6 +191,7 @@ def main() -> int:
                        + "".join(f"_{name}-{version}" for name, version in packages))
         rows.append(row)
     mark_python_only_rows(rows)
+    mark_upstream_rows(rows)
     if args.select:
         rows = [row for row in rows if args.select in row["name"]]
     if not rows:

@@ -114,7 +114,8 @@ def sdist(version: str, cache: pathlib.Path) -> pathlib.Path:
             return cache / name
     command = ["download", "--no-deps", "--no-binary", ":all:", "--disable-pip-version-check",
                "-q", f"mlx-lm=={version}", "-d", str(cache)]
-    pips = [[sys.executable, "-m", "pip"]] + ([[shutil.which("pip")]] if shutil.which("pip") else [])
+    pips = [[sys.executable, "-m", "pip"]] + [
+        [found] + rest for name, rest in (("pip", []), ("python3", ["-m", "pip"])) if (found := shutil.which(name))]
     errors = []
     for pip in pips:
         run = subprocess.run(pip + command, capture_output=True, text=True)
