@@ -382,12 +382,7 @@ class Patcher:
         inner = below if below is not MISSING else _beneath(owner, attr, target)
         proxy = wrapt.FunctionWrapper(inner, wrapper, enabled=self.is_active)
         setattr(proxy, TAG, self.patch_id)
-        op = Op("wrap", target, owner, attr, below, proxy, self.patch_id)
-        self._link(owner, attr, parent, proxy)
-        _remember(op)
-        self.ops.append(op)
-        if parent is None and below is MISSING:
-            _resume(owner, attr)
+        self._install(Op("wrap", target, owner, attr, below, proxy, self.patch_id), parent)
 
     def _set_now(self, target: str, value: Any) -> None:
         owner, attr = owner_of(target)
@@ -400,12 +395,16 @@ class Patcher:
         parent, below = self._place(owner, attr)
         if isinstance(value, _StackedProperty):  # extends what it sits on, wherever that is
             value.__wrapped__ = below if below is not MISSING else _beneath(owner, attr, target)
-        op = Op("set", target, owner, attr, below, value, self.patch_id)
-        self._link(owner, attr, parent, value)
+        self._install(Op("set", target, owner, attr, below, value, self.patch_id), parent)
+
+    def _install(self, op: "Op", parent) -> None:
+        """Put ``op``'s object in the chain under ``parent`` (or live), record it, and give back
+        the layers that waited for the attribute it adds."""
+        self._link(op.owner, op.attr, parent, op.installed)
         _remember(op)
         self.ops.append(op)
-        if parent is None and below is MISSING:
-            _resume(owner, attr)
+        if parent is None and op.original is MISSING:
+            _resume(op.owner, op.attr)
 
 
 class _StackedProperty(property):
