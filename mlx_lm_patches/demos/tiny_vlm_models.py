@@ -227,6 +227,14 @@ def unsupported_api(model_type: str) -> Optional[str]:
         generator = getattr(importlib.import_module("mlx_vlm.generate"), "BatchGenerator", None)
         if generator is not None and not hasattr(generator, method):
             problems.append(f"mlx_vlm.generate.BatchGenerator has no {method}()")
+    generator = getattr(importlib.import_module("mlx_vlm.generate"), "BatchGenerator", None)
+    insert = getattr(generator, "insert", None)
+    if insert is not None and "prompt_kwargs" in inspect.signature(insert).parameters:
+        # mlx-vlm >= 0.5: each row brings its own inputs_embeds through insert(prompt_kwargs=...)
+        # and the prefill refuses rows without them; these scenarios pass one padded batch's
+        # embeddings to next(**kwargs), as mlx-vlm < 0.5 takes them
+        problems.append("mlx_vlm.generate.BatchGenerator.insert takes per-row prompt_kwargs "
+                        "(inputs_embeds per row)")
     arch = importlib.import_module(f"mlx_vlm.models.{model_type}")
     for name in ("Model", "ModelConfig"):
         if not hasattr(arch, name):
