@@ -70,15 +70,21 @@ def _cli(*args, form="console-script", env=None):
     return ran.stdout
 
 
+@pytest.fixture(scope="module")
+def cli_reference(folders):
+    """What ``mlx_lm.generate`` prints without a draft model (the same for every draft and form)."""
+    reference = _cli("--model", str(folders["main"]))
+    assert reference.strip(), "the reference run printed nothing"
+    return reference
+
+
 @pytest.mark.subprocess
 @pytest.mark.parametrize("form", ["console-script", "python -m"])
 @pytest.mark.parametrize("draft", sorted(DRAFTS))
-def test_generate_cli_with_draft_model(folders, draft, form):
-    reference = _cli("--model", str(folders["main"]))
+def test_generate_cli_with_draft_model(folders, cli_reference, draft, form):
     got = _cli("--model", str(folders["main"]), "--draft-model", str(folders[draft]),
                "--num-draft-tokens", "3", form=form)
-    assert reference.strip(), "the reference run printed nothing"
-    assert got == reference
+    assert got == cli_reference
 
 
 @pytest.mark.subprocess

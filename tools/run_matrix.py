@@ -16,6 +16,10 @@ What keeps a full run inside CI's budget (2 cores), without dropping a cell:
   file, CLI status/table) do not depend on mlx-lm: they run on one row per Python version, the
   newest mlx-lm row of that Python, and are deselected elsewhere (``-m "not python_only"``).
 
+* A row that only adds further ``packages`` to another row's mlx-lm and mlx (its twin) runs the
+  tests of those packages, the matrix cells and the CLI (``PACKAGE_TESTS``): everything else
+  would repeat its twin's run exactly.
+
 After pytest, one row per mlx-lm release (its release-time mlx, no extra packages) also runs
 mlx-lm's own offline tests from that release's sdist, stock and patched, and fails on any test
 that passes stock and fails patched (``tools/upstream_tests.py``).
@@ -43,6 +47,9 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 WORK = REPO / ".matrix"
+# tests that depend on a further distribution of a row (see mark_package_twins)
+PACKAGE_TESTS = {"mlx-vlm": ["tests/test_mlx_vlm_batching.py"]}
+TWIN_TESTS = ["tests/test_matrix_cells.py", "tests/test_cli.py"]
 KERNEL_CACHES = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "mlx-lm-patches" / "mlx-tmp"
 
 
@@ -114,6 +121,8 @@ def session(row, wheel: Path, reuse: bool, pytest_args) -> dict:
             test_env = dict(env, MLX_LM_PATCHES_STRICT="1", MLX_LM_PATCHES_EXPECT_INSTALLED="1", TMPDIR=str(tmp),
                             VIRTUAL_ENV=str(venv), PATH=f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}")
             selection = [] if row["python_only"] else ["-m", "not python_only"]
+            if row["twin_of"] and not row["python_only"] and not pytest_args:
+                selection += TWIN_TESTS + [f for name, _ in row["packages"] for f in PACKAGE_TESTS.get(name, [])]
             tested = True
             rc = step([str(venv / "bin" / "pytest"), "-q", "-p", "no:cacheprovider", "-rfE", *selection, *pytest_args],
                       cwd=str(REPO), env=test_env)
@@ -150,6 +159,15 @@ def mark_python_only_rows(rows) -> None:
             best[row["python"]] = (rank, row)
     for row in rows:
         row["python_only"] = best[row["python"]][1] is row
+
+
+def mark_package_twins(rows) -> None:
+    """``twin_of``: for a row with further packages, the row without them on the same mlx-lm and
+    mlx (if there is one)."""
+    plain = {(row["mlx_lm"], row["mlx"]): row for row in rows if not row["packages"]}
+    for row in rows:
+        twin = plain.get((row["mlx_lm"], row["mlx"])) if row["packages"] else None
+        row["twin_of"] = twin["name"] if twin else None
 
 
 def mark_upstream_rows(rows) -> None:
@@ -192,6 +210,7 @@ def main() -> int:
         rows.append(row)
     mark_python_only_rows(rows)
     mark_upstream_rows(rows)
+    mark_package_twins(rows)
     if args.select:
         rows = [row for row in rows if args.select in row["name"]]
     if not rows:
