@@ -1,14 +1,16 @@
 """Diverging prefix reuse for a hybrid model over HTTP: ``mlx_lm.server`` with the package
 installed (no code change), the ``openai`` client on loopback, a qwen3_next model folder.
 
-Three conversations, each a first request and then a second one that shares a long prefix with
+Four conversations, each a first request and then a second one that shares a long prefix with
 it: a long system prompt with another question after it; one long user message whose last
-words differ; a second turn extending the first turn and its answer. The second answer must
+words differ; a second turn extending the first turn and its answer; a second turn whose
+assistant message differs from what was generated (an edited answer). The second answer must
 equal the reference path (greedy, single sequence, cold prefill, computed in this process), and
 it must have reused at least half of the shared prefix: ``usage.prompt_tokens_details.
-cached_tokens`` where the release reports it (0.31.1+), else the package's debug log line.
-With patches off (strict xfail where the release reports cached tokens): a divergence inside
-the last message reuses nothing.
+cached_tokens`` where the release reports it (0.31.1+), else the package's debug log line. The
+same with ``--draft-model`` (a second qwen3_next: speculative serving, the draft's caches
+stored and reused beside the main model's). With patches off (strict xfail where the release
+reports cached tokens): a divergence inside the last message reuses nothing.
 """
 
 import json
@@ -38,6 +40,11 @@ CONVERSATIONS = {
     "second-turn": (
         [{"role": "user", "content": DOCUMENT + " Summarise."}],
         None),  # the first turn, its answer and a new question: built from the reply
+    "edited-answer": (
+        [{"role": "user", "content": DOCUMENT + " Summarise."}],
+        [{"role": "user", "content": DOCUMENT + " Summarise."},
+         {"role": "assistant", "content": "An answer the model did not give."},
+         {"role": "user", "content": "And fact 7?"}]),
 }
 REUSED = re.compile(r"prompt cache: (\d+) of (\d+) tokens reused")
 
@@ -54,6 +61,12 @@ def _reports_cached_tokens():
 def folder(tmp_path_factory):
     return write_model_folder(tmp_path_factory.mktemp("prefix-server") / MODEL,
                               build_tiny_model(MODEL, seed=1), tiny_config(MODEL))
+
+
+@pytest.fixture(scope="module")
+def draft_folder(tmp_path_factory):
+    return write_model_folder(tmp_path_factory.mktemp("prefix-server-draft") / MODEL,
+                              build_tiny_model(MODEL, seed=2), tiny_config(MODEL))
 
 
 @pytest.fixture(scope="module")
@@ -97,9 +110,11 @@ def _conversations(server):
     return out
 
 
-@pytest.fixture(scope="module")
-def patched(folder):
-    with serve(folder, *_args(), env=clean_env(MLX_LM_PATCHES_DEBUG="1")) as server:
+@pytest.fixture(scope="module", params=["plain", "draft-model"])
+def patched(request, folder):
+    draft = ["--draft-model", str(request.getfixturevalue("draft_folder")), "--num-draft-tokens", "3"] \
+        if request.param == "draft-model" else []
+    with serve(folder, *_args(), *draft, env=clean_env(MLX_LM_PATCHES_DEBUG="1")) as server:
         yield _conversations(server)
 
 

@@ -32,7 +32,8 @@ positive integer, default 32. Drafting more than ``value - 2`` tokens per round 
 PREFIX_CHECKPOINTS = "MLX_LM_PATCHES_PREFIX_CHECKPOINTS"
 """Most recurrent states kept per sequence for exact prefix reuse of hybrid models
 (``LRUPromptCache``, ``mlx_lm.server``): a non-negative integer, default 8; ``0`` turns keeping
-them off. A prefill into a caller's prompt cache keeps them at mlx-lm's pass ends; extra cuts at
+them off. Every forward of one sequence into a prompt cache keeps them at its end, whoever calls
+the model; extra cuts at
 powers of two and one-row ``BatchGenerator`` prefill happen once an ``LRUPromptCache`` exists in
 the process, or always when the variable is set."""
 

@@ -14,22 +14,26 @@ Bug
 
 Fix
     Keep exact recurrent states at positions of the prefill and reuse only those
-    (``mlx_lm_patches/mechanisms/prefix_reuse/``). A prefill into a prompt cache the caller holds
-    (``generate_step(..., prompt_cache=...)``) runs through a recorder that keeps the recurrent
-    states after each prefill pass, by reference, bounded per sequence (default 8, thinned so
-    that a kept state lies within a factor of two of any position). While an ``LRUPromptCache``
-    exists in the process (or ``MLX_LM_PATCHES_PREFIX_CHECKPOINTS`` is set), the recorder also
-    cuts the passes at powers of two, and ``BatchGenerator`` prefills hybrid rows one at a time
-    through it. The kept states travel with the caches through
-    mlx-lm's own merge/extend/filter/extract/deepcopy and are stored with the entry by
-    ``insert_cache`` (only those computed from a prefix of the entry's tokens; their bytes count
-    in ``ArraysCache.nbytes`` and so in the LRU's byte limit). ``fetch_nearest_cache`` first asks
-    mlx-lm's own search what it would reuse; if a stored entry holds a kept state further along
-    the new request (checked token by token, at most ``len(tokens) - 1``), it returns a copy of
-    that entry with its recurrent caches set to that state and its attention caches cut to the
-    same position, and the rest of the request to prefill. ``ArraysCache`` stays untrimmable, so
-    mlx-lm never trims a hybrid cache and never evicts shorter entries as redundant. Nothing is
-    approximated: a state that cannot be restored exactly is not used.
+    (``mlx_lm_patches/mechanisms/prefix_reuse/``). States are kept where they are produced:
+    ``Model.__call__`` of every mlx-lm family with recurrent layers keeps, after each forward of
+    one sequence into a cache list whose history is known, the recurrent states at its end, by
+    reference, bounded per sequence (default 8, thinned so that a kept state lies within a
+    factor of two of any position) - whoever calls the model (``generate_step``,
+    ``speculative_generate_step`` for main and draft model, ``BatchGenerator``, an engine's own
+    prefill loop). Decode steps only append their token array, unread. While an
+    ``LRUPromptCache`` exists in the process (or ``MLX_LM_PATCHES_PREFIX_CHECKPOINTS`` is set),
+    the prefill of ``generate_step`` and ``speculative_generate_step`` is also cut at powers of
+    two, and ``BatchGenerator`` prefills hybrid rows one at a time. The kept states travel with
+    the caches through mlx-lm's own merge/extend/filter/extract/deepcopy and are stored with the
+    entry by ``insert_cache`` (only those computed from a prefix of the entry's tokens; their
+    bytes count in ``ArraysCache.nbytes`` and so in the LRU's byte limit).
+    ``fetch_nearest_cache`` first asks mlx-lm's own search what it would reuse; if a stored
+    entry holds a kept state further along the new request (checked token by token, at most
+    ``len(tokens) - 1``), it returns a copy of that entry with its recurrent caches set to that
+    state and its attention caches cut to the same position, and the rest of the request to
+    prefill. ``ArraysCache`` stays untrimmable, so mlx-lm never trims a hybrid cache and never
+    evicts shorter entries as redundant. Nothing is approximated: a state that cannot be
+    restored exactly is not used.
 
 Affected
     Every supported release (0.28.4 - 0.32.2); the probe decides on newer ones.
@@ -63,33 +67,40 @@ SERVER = "mlx_lm.server"
 
 # -- keeping states while prefilling ----------------------------------------------------------
 
+# Model modules with recurrent layers (across the supported releases): their ``Model.__call__``
+# records states wherever it is called from (mechanisms/prefix_reuse/forward.py).
+RECURRENT_FAMILIES = (
+    "baichuan_m1", "bailing_hybrid", "bailing_moe_linear", "bailing_moe_v3", "falcon_h1", "gear",
+    "granitemoehybrid", "jamba", "kimi_k3", "kimi_linear", "lfm2", "lfm2_moe", "longcat_flash_ngram",
+    "mamba", "mamba2", "nemotron_h", "olmo_hybrid", "plamo2", "qwen3_5", "qwen3_next", "recurrent_gemma",
+    "rwkv7",
+)
 
-def _generate_step(wrapped, instance, args, kwargs):
+
+def _prefill_cut(wrapped, instance, args, kwargs):
+    """``generate_step`` / ``speculative_generate_step``: while a prompt-cache store exists,
+    the prefill (everything before the first token comes out) is cut at powers of two."""
     from mlx_lm_patches.mechanisms import prefix_reuse as pc
-    from mlx_lm_patches.mechanisms.caches import has_recurrent_state
-    from mlx_lm_patches.mechanisms.calls import bind_arguments
 
-    if not pc.keeping():
-        return wrapped(*args, **kwargs)
-    bound = bind_arguments(wrapped, args, kwargs)
-    cache = bound.arguments.get("prompt_cache")
-    if (cache is None or bound.arguments.get("input_embeddings") is not None
-            or not has_recurrent_state(cache)):
-        return wrapped(*args, **kwargs)
-    history = pc.exact_history(cache)
-    if history is None:
-        return wrapped(*args, **kwargs)
-    recorder = pc.Recorder(bound.arguments["model"], history, cut=pc.capturing())
-    bound.arguments["model"] = recorder
-    return _closing(wrapped(*bound.args, **bound.kwargs), recorder)
+    steps = wrapped(*args, **kwargs)
+    if not pc.capturing():
+        return steps
+    return _cut_until_first(steps)
 
 
-def _closing(steps, recorder):
+def _cut_until_first(steps):
+    from mlx_lm_patches.mechanisms import prefix_reuse as pc
+
     try:
+        with pc.cutting():
+            first = next(steps)
+    except StopIteration:
+        return
+    try:
+        yield first
         yield from steps
     finally:
         steps.close()
-        recorder.close()
 
 
 def _row_history(row, history):
@@ -108,7 +119,7 @@ def _row_history(row, history):
 
 
 def _prompt(wrapped, instance, args, kwargs):
-    """>= 0.31.2: prefill hybrid rows alone through a recorder."""
+    """>= 0.31.2: prefill hybrid rows alone (cut at powers of two), each from its known history."""
     from mlx_lm_patches.mechanisms import prefix_reuse as pc
     from mlx_lm_patches.mechanisms.caches import has_recurrent_state
     from mlx_lm_patches.patches.batch_prefill_per_row import prefill_rows_alone
@@ -122,35 +133,31 @@ def _prompt(wrapped, instance, args, kwargs):
     def row_model(i, row, history):
         pc.copy_row_trails(batch_caches, row, i)
         known = _row_history(row, history)
-        if known is None:
-            return instance.model, None
-        recorder = pc.Recorder(instance.model, known)
-        return recorder, recorder.close
+        if known is not None:
+            pc.mark_exact(row, known)  # the row's slots are new objects holding that history
+        return instance.model, None
 
-    if not prefill_rows_alone(instance, tokens, row_model):
+    with pc.cutting():
+        done = prefill_rows_alone(instance, tokens, row_model)
+    if not done:
         return wrapped(*args, **kwargs)
 
 
 def _process_prompts(wrapped, instance, args, kwargs):
-    """<= 0.31.1: each prompt is processed on its own (a batch of one) through a recorder."""
+    """<= 0.31.1: each prompt is processed on its own (a batch of one), cut at powers of two,
+    from the known history of its cache."""
     from mlx_lm_patches.mechanisms import prefix_reuse as pc
     from mlx_lm_patches.mechanisms.caches import has_recurrent_state
 
     prompts = list(args[0] if args else kwargs["prompts"])
     if not (pc.capturing() and prompts and has_recurrent_state(prompts[0][3])):
         return wrapped(*args, **kwargs)
-    model, batch = instance.model, None
+    batch = None
     try:
         for prompt in prompts:
-            history = pc.exact_history(prompt[3])
-            recorder = pc.Recorder(model, history) if history is not None else None
-            instance.model = recorder or model
-            try:
+            # the batch cache is built from this prompt's cache (new objects, same content)
+            with pc.cutting(seed=pc.exact_history(prompt[3])):
                 one = wrapped([prompt])
-            finally:
-                instance.model = model
-                if recorder is not None:
-                    recorder.close()
             if batch is None:
                 batch = one
             else:
@@ -267,7 +274,12 @@ def apply(p):
     p.wrap(f"{store}:LRUPromptCache.__init__", _lru_init)
     p.wrap(f"{store}:LRUPromptCache.fetch_nearest_cache", _fetch)
     p.wrap(f"{store}:LRUPromptCache.insert_cache", _insert)
-    p.wrap(f"{GENERATE}:generate_step", _generate_step)
+    from mlx_lm_patches.mechanisms.prefix_reuse import recorded_forward
+
+    for family in RECURRENT_FAMILIES:
+        p.wrap(f"mlx_lm.models.{family}:Model.__call__", recorded_forward)
+    p.wrap(f"{GENERATE}:generate_step", _prefill_cut)
+    p.wrap(f"{GENERATE}:speculative_generate_step", _prefill_cut)
     if hasattr(p.module(GENERATE), "PromptProcessingBatch"):
         p.wrap(f"{GENERATE}:PromptProcessingBatch.prompt", _prompt)
     else:

@@ -7,14 +7,15 @@ diverges from is useless to a hybrid model unless the recurrent states at some e
 were kept when it was computed. This module keeps them, and uses them only where they are exact.
 
 Checkpoints
-    While a single sequence is prefilled (a batch of one, as mlx-lm's ``generate_step`` and the
-    per-row prefill of hybrid rows in ``BatchGenerator`` do), a :class:`Recorder` stands in for
-    the model: it cuts the passes also at powers of two (32, 64, 128, ...; at most one extra cut
-    per doubling of the prompt) and, after each multi-token pass, keeps the recurrent states by
-    reference (mlx arrays are immutable and models replace their cache slots). With prefill
-    chunks of ``s`` tokens, a kept state lies at or before any position ``d`` and at least at
-    ``d/2`` (and at ``d - s`` or later); :func:`thin` keeps that property when it bounds the
-    count (``MLX_LM_PATCHES_PREFIX_CHECKPOINTS``, default 8 per sequence).
+    Around the forward of every model with recurrent layers (:func:`recorded_forward`), a pass
+    of one sequence into a cache list whose history is known keeps the recurrent states at its
+    end by reference (mlx arrays are immutable and models replace their cache slots), whoever
+    calls the model. Within :func:`cutting` (the prefill of ``generate_step`` and of
+    ``BatchGenerator`` rows while a prompt-cache store exists) passes are also cut at powers of
+    two (32, 64, 128, ...; at most one extra cut per doubling of the prompt). With prefill
+    chunks of ``s`` tokens, a kept state lies at or before any position ``d`` at ``d - s`` or
+    later, and with the cuts at least at ``d/2``; :func:`thin` keeps that property when it
+    bounds the count (``MLX_LM_PATCHES_PREFIX_CHECKPOINTS``, default 8 per sequence).
 
 Trails
     Each recurrent cache carries, per batch row, a :class:`Trail`: the first tokens the row has
@@ -35,16 +36,17 @@ Use
 from mlx_lm_patches.mechanisms.prefix_reuse.carry import (
     carry_extend, carry_extract, carry_filter, carry_merge, copy_row_trails)
 from mlx_lm_patches.mechanisms.prefix_reuse.cuts import CHAIN_FLOOR, FIRST_CUT, cut_points, thin
-from mlx_lm_patches.mechanisms.prefix_reuse.recorder import Recorder
+from mlx_lm_patches.mechanisms.prefix_reuse.forward import cutting, recorded_forward
 from mlx_lm_patches.mechanisms.prefix_reuse.restore import best_restore, common_prefix, mark_exact, restored_copy, settle
 from mlx_lm_patches.mechanisms.prefix_reuse.settings import capturing, keeping, max_checkpoints, note_prompt_cache_created
 from mlx_lm_patches.mechanisms.prefix_reuse.trails import (
-    Trail, batch_size, checkpoints, exact_history, is_empty, retained_nbytes, row_trails, set_trails, trails)
+    TokenLog, Trail, batch_size, checkpoints, exact_history, is_empty, known_log, retained_nbytes, row_trails,
+    set_trails, trails)
 
 __all__ = [
-    "CHAIN_FLOOR", "FIRST_CUT", "Recorder", "Trail", "batch_size", "best_restore", "capturing", "carry_extend",
+    "CHAIN_FLOOR", "FIRST_CUT", "TokenLog", "Trail", "batch_size", "best_restore", "capturing", "carry_extend",
     "carry_extract", "carry_filter", "carry_merge", "checkpoints", "common_prefix", "copy_row_trails",
-    "cut_points", "exact_history", "is_empty", "keeping", "mark_exact", "max_checkpoints",
-    "note_prompt_cache_created", "restored_copy", "retained_nbytes", "row_trails", "set_trails", "settle",
-    "thin", "trails",
+    "cut_points", "cutting", "exact_history", "is_empty", "keeping", "known_log", "mark_exact",
+    "max_checkpoints", "note_prompt_cache_created", "recorded_forward", "restored_copy", "retained_nbytes",
+    "row_trails", "set_trails", "settle", "thin", "trails",
 ]

@@ -6,7 +6,7 @@ from typing import Optional, Sequence
 from mlx_lm_patches.mechanisms.caches import arrays, attention_caches, int_offset, recurrent_caches
 from mlx_lm_patches.mechanisms.prefix_reuse.cuts import thin
 from mlx_lm_patches.mechanisms.prefix_reuse.settings import max_checkpoints
-from mlx_lm_patches.mechanisms.prefix_reuse.trails import Trail, slots_of, checkpoints, set_trails
+from mlx_lm_patches.mechanisms.prefix_reuse.trails import TokenLog, Trail, slots_of, checkpoints, set_trails
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -38,6 +38,7 @@ def _restate(caches, tokens, exact):
               if pos <= len(tokens) and tuple(seen[:pos]) == tokens[:pos]]
     if not exact:
         usable = thin(usable, max_checkpoints())
+    tokens = TokenLog(tokens)  # one log shared by every recurrent cache of the list
     for j, leaf in enumerate(leaves):
         marks = tuple((pos, states[j]) for pos, states in usable)
         if exact:
@@ -72,7 +73,7 @@ def restored_copy(caches, key: Sequence[int], position: int, states, kept) -> Op
             leaf.left_padding = None
         if hasattr(leaf, "lengths"):
             leaf.lengths = None
-    tokens = tuple(key[:position])
+    tokens = TokenLog(tuple(key[:position]))
     for j, leaf in enumerate(recurrent_caches(out)):
         marks = tuple((pos, st[j]) for pos, st in kept)
         set_trails(leaf, [Trail(tokens, marks, slots_of(leaf))])

@@ -10,16 +10,54 @@ from mlx_lm_patches.mechanisms.caches import (
 ATTR = "_mlx_lm_patches_trails"  # on ArraysCache objects: one Trail (or None) per batch row
 
 
+class TokenLog:
+    """The tokens a row has seen, appended to without reading them: a materialised prefix plus
+    the token arrays of the passes since, read (``ids``) only when a kept state is checked
+    against a request. So a forward pass records its tokens without waiting for them (decode
+    steps feed tokens that are still being computed). Immutable: ``extended`` gives a new log."""
+
+    __slots__ = ("_base", "_pending", "_ids", "length")
+
+    def __init__(self, base: tuple = (), pending: tuple = (), length: Optional[int] = None):
+        self._base, self._pending, self._ids = tuple(base), pending, None
+        self.length = len(self._base) + sum(a.shape[-1] for a in pending) if length is None else length
+
+    def extended(self, piece) -> "TokenLog":
+        """This log followed by ``piece`` (a 1-D ``mx.array`` of token ids)."""
+        if self._ids is not None:
+            return TokenLog(self._ids, (piece,), self.length + piece.shape[-1])
+        return TokenLog(self._base, self._pending + (piece,), self.length + piece.shape[-1])
+
+    def ids(self) -> tuple:
+        if self._ids is None:
+            if self._pending:
+                import mlx.core as mx
+
+                self._ids = self._base + tuple(mx.concatenate([a.reshape(-1) for a in self._pending]).tolist())
+            else:
+                self._ids = self._base
+            self._pending = ()
+        return self._ids
+
+    def __len__(self):
+        return self.length
+
+
 class Trail:
     """One batch row of one recurrent cache: see the module docstring. Immutable and shared:
     copies of a cache share its trails (``deepcopy`` returns the trail itself)."""
 
-    __slots__ = ("tokens", "marks", "after")
+    __slots__ = ("log", "marks", "after")
 
-    def __init__(self, tokens: tuple, marks: tuple = (), after=None):
-        self.tokens = tokens  # tuple of ints: a prefix of what the row has seen
+    def __init__(self, tokens, marks: tuple = (), after=None):
+        self.log = tokens if isinstance(tokens, TokenLog) else TokenLog(tuple(tokens))
         self.marks = marks  # ((position, slots), ...) ascending; slots: this layer's state there
         self.after = after  # slots right after the row saw exactly `tokens`, or None
+
+    @property
+    def tokens(self) -> tuple:
+        """What the row has seen (a prefix of its content: tokens are only ever appended)."""
+        return self.log.ids()
 
     def __deepcopy__(self, memo):
         return self
@@ -28,7 +66,7 @@ class Trail:
         return self
 
     def __repr__(self):
-        return f"<Trail {len(self.tokens)} tokens, checkpoints at {[p for p, _ in self.marks]}>"
+        return f"<Trail {len(self.log)} tokens, checkpoints at {[p for p, _ in self.marks]}>"
 
 
 def slots_of(cache):
@@ -85,26 +123,56 @@ def is_empty(caches) -> bool:
     return True
 
 
-def exact_history(caches) -> Optional[tuple]:
-    """The tokens a single-sequence cache list holds, when that is known for certain: ``()`` for
-    an empty cache; a trail's tokens while every recurrent slot is still the object recorded
-    after its last pass and every attention cache's offset equals their count; else ``None``."""
-    leaves = recurrent_caches(caches)
+def known_log(caches, leaves=None) -> Optional[TokenLog]:
+    """The log of what a single-sequence cache list holds, when that is known for certain,
+    without reading any token: an empty log for an empty cache; the trails' shared log while
+    every recurrent slot is still the object recorded after its last pass and every attention
+    cache's offset equals its length; else ``None``."""
+    leaves = recurrent_caches(caches) if leaves is None else leaves
     if not leaves:
         return None
-    if is_empty(caches):
-        return ()
-    rows = [trails(leaf) for leaf in leaves]
+    rows = [leaf.__dict__.get(ATTR) for leaf in leaves]
     if any(r is None or len(r) != 1 or r[0] is None for r in rows):
-        return None
-    tokens = rows[0][0].tokens
+        return TokenLog() if is_empty(caches) else None
+    log = rows[0][0].log
     for leaf, (trail,) in zip(leaves, rows):
-        if trail.tokens is not tokens or trail.after is None or not same_objects(leaf.cache, trail.after):
+        if trail.log is not log or trail.after is None or not same_objects(leaf.cache, trail.after):
             return None
+    if not offsets_agree(caches, len(log)):
+        return None
+    return log
+
+
+def offsets_agree(caches, length: int) -> bool:
+    """Whether the attention caches of a single-sequence cache list hold ``length`` tokens: an
+    ``int`` offset equal to it, or (a batch cache of one row, as ``BatchGenerator`` makes)
+    nothing to check beyond the row being unpadded."""
     for cache in attention_caches(caches):
-        if int_offset(cache) != len(tokens):
-            return None
-    return tokens
+        offset = int_offset(cache)
+        if offset is None:
+            if not unpadded_single_row(cache):
+                return False
+        elif offset != length:
+            return False
+    return True
+
+
+def unpadded_single_row(cache) -> bool:
+    """A batch cache of one row without left padding (read only when padding is kept)."""
+    padding = getattr(cache, "left_padding", None)
+    if padding is None:
+        return False
+    try:
+        return padding.size == 1 and int(padding.reshape(-1)[0].item()) == 0
+    except (AttributeError, TypeError, ValueError):
+        return False
+
+
+def exact_history(caches) -> Optional[tuple]:
+    """The tokens a single-sequence cache list holds, when that is known for certain (see
+    :func:`known_log`)."""
+    log = known_log(caches)
+    return None if log is None else log.ids()
 
 
 def checkpoints(caches) -> List[Tuple[int, tuple, list]]:
@@ -120,7 +188,7 @@ def checkpoints(caches) -> List[Tuple[int, tuple, list]]:
     for pos, slots in first.marks:
         states = [slots]
         for (trail,) in rows[1:]:
-            if trail.tokens is not first.tokens and trail.tokens[:pos] != first.tokens[:pos]:
+            if trail.log is not first.log and trail.tokens[:pos] != first.tokens[:pos]:
                 return out
             found = next((s for p, s in trail.marks if p == pos), None)
             if found is None:
