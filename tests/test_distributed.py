@@ -14,15 +14,17 @@ server answers
   both ranks must have made the same reuse decision (each rank logs it with
   ``MLX_LM_PATCHES_DEBUG=1``; a decision on one rank only would desynchronize the collectives).
 
-A failure on one rank must reach the client within a bounded time, not hang it: rank 1 dying on
-its first request (the client gets an error, ``mlx.launch`` ends rank 0, every process exits);
-rank 1 alone raising inside a request (stock mlx-lm and the package: rank 0 waits forever, a
-strict xfail bounded by the client's timeout).
+A failure on one rank must reach the client within a bounded time, not hang it. Each server ends
+with one (the servers run a test-only entry, ``HOOK``, that fails on rank 1 for a marked request
+and serves every other one unchanged): on the pipeline server rank 1 dies (the client gets an
+error, ``mlx.launch`` ends rank 0, every process exits); on the tensor server rank 1 alone raises
+inside the request (stock mlx-lm and the package: rank 0 waits forever, a strict xfail bounded by
+the client's timeout).
 
 CI time: the suite runs on every mlx-lm release of the matrix on 2 cores, so this module runs on
 the newest tested release only (``tested_versions`` in compat_matrix.yaml; 0.32 is the first to
-pipeline hybrid families, 0.31.3 could run tensor-parallel qwen3_5). Every launch is bounded (readiness, client and stop timeouts) and its whole process
-group is killed when the test ends.
+pipeline hybrid families, 0.31.3 could run tensor-parallel qwen3_5). Two launches in all, each bounded (readiness, client and stop timeouts), their whole process
+groups killed when the fixture ends.
 """
 
 import concurrent.futures
@@ -112,17 +114,24 @@ def _ask(client, messages):
     return reply.choices[0].message.content, getattr(details, "cached_tokens", None)
 
 
+@pytest.fixture(scope="module")
+def hook(tmp_path_factory):
+    path = tmp_path_factory.mktemp("dist-hook") / "failing_rank_server.py"
+    path.write_text(HOOK)
+    return path
+
+
 @pytest.fixture(scope="module", params=sorted(LAYOUTS))
-def served(request, tmp_path_factory):
-    """A two-rank server of one layout, after the concurrent requests and the diverging one."""
+def served(request, tmp_path_factory, hook):
+    """A two-rank server of one layout, after the concurrent requests, the diverging one and,
+    last, the layout's failure request (it ends the server: one launch per layout, CI time)."""
     model_type, args = LAYOUTS[request.param]
     reason = _layout_skip(model_type, args)
     if reason:
         pytest.skip(reason)
     folder = _folder(tmp_path_factory, model_type)
-    started = time.monotonic()
     with serve(folder, *args, *_prefill_args(), ranks=RANKS, ready_timeout=READY_TIMEOUT,
-               env=clean_env(MLX_LM_PATCHES_DEBUG="1")) as server:
+               entry=(str(hook),), env=clean_env(MLX_LM_PATCHES_DEBUG="1")) as server:
         client = server.client(timeout=REQUEST_TIMEOUT)
         with concurrent.futures.ThreadPoolExecutor(len(CONCURRENT)) as pool:
             concurrent_answers = [f.result() for f in
@@ -131,8 +140,9 @@ def served(request, tmp_path_factory):
         logged = len(REUSED.findall(server.log()))
         diverging = _ask(client, DIVERGING)
         decisions = REUSED.findall(server.log())[logged:]
+        failure = _fail(server, FAILURES[request.param])
         yield dict(folder=folder, concurrent=concurrent_answers, diverging=diverging,
-                   decisions=decisions, log=server.log(), seconds=time.monotonic() - started)
+                   decisions=decisions, failure=failure)
 
 
 @pytest.fixture(scope="module")
@@ -186,76 +196,81 @@ def test_every_rank_makes_the_same_reuse_decision(served):
 
 # -- a failure on one rank --------------------------------------------------------------------
 
+# Which failure each layout's server ends with (a request whose last message is the marker).
+FAILURES = {"tensor-qwen3_5": "raise", "pipeline-qwen3_next": "exit"}
+MARKER = "<<fail on rank 1: {}>>"
+
 HOOK = textwrap.dedent('''\
-    """Test-only entry: mlx_lm.server with a failure injected on one rank (DIST_TEST_FAIL_RANK).
-    DIST_TEST_FAIL=exit: that rank's process dies on its first request; =raise: that rank alone
-    raises inside its first request."""
+    """Test-only entry: mlx_lm.server, where rank 1 fails on a request whose last message is
+    "<<fail on rank 1: exit>>" (its process dies) or "<<fail on rank 1: raise>>" (it alone
+    raises inside the request). Every other request is served unchanged."""
     import os
 
     import mlx_lm.server as server
 
-    mode = os.environ.get("DIST_TEST_FAIL")
-    if mode and os.environ.get("MLX_RANK") == os.environ.get("DIST_TEST_FAIL_RANK", "1"):
-        def _tokenize(self, *args, **kwargs):
-            if mode == "exit":
+    if os.environ.get("MLX_RANK") == "1":
+        tokenize = server.ResponseGenerator._tokenize
+
+        def _tokenize(self, tokenizer, request, args):
+            last = (getattr(request, "messages", None) or [{}])[-1].get("content")
+            if last == "<<fail on rank 1: exit>>":
                 os._exit(3)
-            raise RuntimeError("failure injected on rank " + os.environ["MLX_RANK"])
+            if last == "<<fail on rank 1: raise>>":
+                raise RuntimeError("failure injected on rank 1")
+            return tokenize(self, tokenizer, request, args)
 
         server.ResponseGenerator._tokenize = _tokenize
     server.main()
 ''')
 
 
-def _ask_bounded(server, timeout):
-    """Send one request; ``(what came back, seconds)``, an exception counting as an answer."""
+def _fail(server, mode):
+    """Send the failure request; what came back (an exception counts), after how many seconds,
+    and (``exit``) whether every process had exited ``EXIT_TIMEOUT`` seconds after that."""
     started = time.monotonic()
     try:
-        outcome = _ask(server.client(timeout=timeout), CONCURRENT[1])
+        outcome = _ask(server.client(timeout=HANG_TIMEOUT),
+                       [{"role": "user", "content": MARKER.format(mode)}])
     except Exception as error:  # openai.APIConnectionError, APITimeoutError, APIStatusError
         outcome = error
-    return outcome, time.monotonic() - started
+    seconds = time.monotonic() - started
+    while mode == "exit" and server.group_alive() and time.monotonic() - started < seconds + EXIT_TIMEOUT:
+        time.sleep(0.2)
+    return dict(mode=mode, outcome=outcome, seconds=seconds, exited=not server.group_alive(),
+                log=server.log())
 
 
-@pytest.fixture(scope="module")
-def tensor_folder(tmp_path_factory):
-    model_type, args = LAYOUTS["tensor-qwen3_5"]
-    reason = _layout_skip(model_type, args)
-    if reason:
-        pytest.skip(reason)
-    return _folder(tmp_path_factory, model_type)
+def _failure(served, mode):
+    assert served["failure"]["mode"] == mode
+    return served["failure"]
 
 
-@pytest.fixture(scope="module")
-def hook(tmp_path_factory):
-    path = tmp_path_factory.mktemp("dist-hook") / "failing_rank_server.py"
-    path.write_text(HOOK)
-    return path
+def _ending_with(mode):
+    """Run the test on the server of the layout that ends with ``mode``."""
+    return pytest.mark.parametrize("served", [k for k, v in FAILURES.items() if v == mode],
+                                   indirect=True)
 
 
-def test_a_rank_dying_mid_request_fails_the_request_and_every_process_exits(tensor_folder, hook):
+@_ending_with("exit")
+def test_a_rank_dying_mid_request_fails_the_request_and_every_process_exits(served):
     import openai
 
-    with serve(tensor_folder, ranks=RANKS, entry=(str(hook),), ready_timeout=READY_TIMEOUT,
-               env=clean_env(DIST_TEST_FAIL="exit")) as server:
-        outcome, seconds = _ask_bounded(server, HANG_TIMEOUT)
-        started = time.monotonic()
-        while server.group_alive() and time.monotonic() - started < EXIT_TIMEOUT:
-            time.sleep(0.2)
-        exited_after, log = time.monotonic() - started, server.log()
-        gone = not server.group_alive()
+    failure = _failure(served, "exit")
+    outcome = failure["outcome"]
     assert isinstance(outcome, (openai.APIConnectionError, openai.APIStatusError)), outcome
-    assert not isinstance(outcome, openai.APITimeoutError), f"no answer after {seconds:.0f}s"
-    assert gone, f"ranks still running {EXIT_TIMEOUT:.0f}s after rank 1 died"
-    assert "rank 1 exited with code 3" in log, f"{exited_after:.1f}s"
+    assert not isinstance(outcome, openai.APITimeoutError), f"no answer after {failure['seconds']:.0f}s"
+    assert failure["exited"], f"ranks still running {EXIT_TIMEOUT:.0f}s after rank 1 died"
+    assert "rank 1 exited with code 3" in failure["log"]
 
 
+@_ending_with("raise")
 @pytest.mark.xfail(strict=True, reason="mlx-lm 0.32.x: an exception on one rank only is caught per "
                    "request on that rank, which goes on to the next collective while the other "
                    "ranks are still in the request: rank 0 waits forever (not fixed here)")
-def test_a_rank_raising_alone_fails_the_request_in_bounded_time(tensor_folder, hook):
-    with serve(tensor_folder, ranks=RANKS, entry=(str(hook),), ready_timeout=READY_TIMEOUT,
-               env=clean_env(DIST_TEST_FAIL="raise")) as server:
-        outcome, seconds = _ask_bounded(server, HANG_TIMEOUT)
+def test_a_rank_raising_alone_fails_the_request_in_bounded_time(served):
+    import openai
+
+    failure = _failure(served, "raise")
+    outcome = failure["outcome"]
     assert isinstance(outcome, Exception), f"answered {outcome!r}"
-    assert seconds < HANG_TIMEOUT, f"no answer after {seconds:.0f}s"
-    assert "APITimeoutError" not in type(outcome).__name__, f"no answer after {seconds:.0f}s"
+    assert not isinstance(outcome, openai.APITimeoutError), f"no answer after {failure['seconds']:.0f}s"
