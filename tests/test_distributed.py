@@ -23,8 +23,9 @@ the client's timeout).
 
 CI time: the suite runs on every mlx-lm release of the matrix on 2 cores, so this module runs on
 the newest tested release only (``tested_versions`` in compat_matrix.yaml; 0.32 is the first to
-pipeline hybrid families, 0.31.3 could run tensor-parallel qwen3_5). Two launches in all, each bounded (readiness, client and stop timeouts), their whole process
-groups killed when the fixture ends.
+pipeline hybrid families, 0.31.3 could run tensor-parallel qwen3_5). Two launches in all, each
+bounded (readiness, client and stop timeouts), their whole process groups killed when the
+fixture ends.
 """
 
 import concurrent.futures
@@ -58,7 +59,7 @@ CONCURRENT = [
 FIRST = [{"role": "user", "content": DOCUMENT + " Final question: alpha?"}]
 DIVERGING = [{"role": "user", "content": DOCUMENT + " Final question: omega?"}]
 # The package's own debug line (its handler prints the bare message at the start of a line; the
-# server's root handler, to which the record propagates, prints it again with a timestamp).
+# server's root handler, to which the record propagates, prints it again after its own prefix).
 REUSED = re.compile(r"^mlx-lm-patches: prompt cache: (\d+) of (\d+) tokens reused", re.M)
 
 LAYOUTS = {"tensor-qwen3_5": ("qwen3_5", ()), "pipeline-qwen3_next": ("qwen3_next", ("--pipeline",))}
