@@ -13,6 +13,12 @@ The server's stdout and stderr go to one log file; :meth:`Server.log_tail` shows
 attach it to failure reports). If the process exits before it is ready, :class:`ServerExited`
 carries its return code and log tail. Nothing here waits without a timeout.
 
+``serve(model, ..., ranks=2)`` starts it the way distributed users do: ``mlx.launch -n 2 --backend
+ring -- python -m mlx_lm.server ...`` on this machine (every rank a local process; rank 0 serves
+HTTP, the others follow it through MLX collectives). The launcher and its ranks share a new process
+group, which :meth:`Server.stop` ends as a whole (``mlx.launch`` does not pass a SIGTERM on to its
+ranks). ``entry`` replaces ``-m mlx_lm.server`` (a test's own script that runs its ``main()``).
+
 ``python -m mlx_lm.server`` with the package installed runs the patched module (the package's
 bootstrap makes ``-m mlx_lm.X`` run the imported module's ``main()``); pass
 ``env=dict(..., MLX_LM_PATCHES="0")`` for stock mlx-lm. ``openai`` is imported only by
@@ -27,6 +33,7 @@ import json
 import os
 import pathlib
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -34,7 +41,7 @@ import tempfile
 import time
 from typing import Iterator, Mapping, Optional
 
-__all__ = ["Server", "ServerExited", "free_port", "serve", "server_flags"]
+__all__ = ["Server", "ServerExited", "free_port", "launcher", "serve", "server_flags"]
 
 HOST = "127.0.0.1"
 
@@ -72,12 +79,18 @@ def server_flags(python: Optional[str] = None) -> frozenset:
     return frozenset(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", proc.stdout))
 
 
+def launcher(python: Optional[str] = None) -> str:
+    """The ``mlx.launch`` script of ``python``'s environment (beside the interpreter)."""
+    return str(pathlib.Path(python or sys.executable).parent / "mlx.launch")
+
+
 class Server:
     """A running ``mlx_lm.server`` subprocess."""
 
     def __init__(self, process: subprocess.Popen, port: int, log_path: pathlib.Path,
-                 host: str = HOST):
+                 host: str = HOST, group: bool = False):
         self.process = process
+        self.group = group  # the process leads a process group of its own (``mlx.launch``)
         self.host = host
         self.port = port
         self.log_path = log_path
@@ -146,8 +159,21 @@ class Server:
                 raise ServerExited(f"mlx_lm.server not ready after {timeout:.0f}s", None, self.log())
             time.sleep(0.1)
 
+    def group_alive(self) -> bool:
+        """Whether any process of the launcher's group (a rank) is still running."""
+        if self.alive() or not self.group:  # poll() also reaps an exited launcher
+            return self.alive()
+        try:
+            os.killpg(self.process.pid, 0)
+        except (ProcessLookupError, PermissionError):
+            return False
+        return True
+
     def stop(self, timeout: float = 10.0) -> Optional[int]:
-        """Terminate the process (kill it if it does not exit within ``timeout``)."""
+        """Terminate the process (kill it if it does not exit within ``timeout``); with ranks,
+        the launcher's whole process group."""
+        if self.group:
+            return self._stop_group(timeout)
         if self.alive():
             self.process.terminate()
             try:
@@ -157,11 +183,35 @@ class Server:
                 self.process.wait(timeout)
         return self.process.returncode
 
+    def _stop_group(self, timeout: float) -> Optional[int]:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(self.process.pid, sig)
+            except ProcessLookupError:
+                break
+            deadline = time.monotonic() + timeout
+            while self.group_alive() and time.monotonic() < deadline:
+                if self.alive():
+                    try:
+                        self.process.wait(0.1)
+                    except subprocess.TimeoutExpired:
+                        pass
+                else:
+                    time.sleep(0.1)
+            if not self.group_alive():
+                break
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        return self.process.returncode
+
 
 @contextlib.contextmanager
 def serve(model, *args: str, env: Optional[Mapping[str, str]] = None,
           python: Optional[str] = None, port: Optional[int] = None,
-          ready_timeout: float = 180.0, log_dir=None, cwd="/") -> Iterator[Server]:
+          ready_timeout: float = 180.0, log_dir=None, cwd="/", ranks: int = 1,
+          entry=("-m", "mlx_lm.server")) -> Iterator[Server]:
     """Start ``python -m mlx_lm.server --model MODEL --host 127.0.0.1 --port PORT *args``.
 
     Args:
@@ -174,6 +224,9 @@ def serve(model, *args: str, env: Optional[Mapping[str, str]] = None,
         ready_timeout: Seconds to wait for ``/health``.
         log_dir: Where the log file goes (default: a temporary directory, removed afterwards).
         cwd: Working directory of the server (default ``/``: no stray ``mtp`` folder).
+        ranks: More than 1: ``mlx.launch -n RANKS --backend ring`` (the ``mlx.launch`` beside
+            ``python``) runs that many local ranks.
+        entry: What follows ``python`` (default ``-m mlx_lm.server``).
     """
     env = dict(os.environ if env is None else env)
     env.setdefault("HF_HUB_OFFLINE", "1")
@@ -183,12 +236,17 @@ def serve(model, *args: str, env: Optional[Mapping[str, str]] = None,
             log_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="mlx-lm-server-"))
         log_path = pathlib.Path(log_dir) / f"server-{os.getpid()}-{time.monotonic_ns()}.log"
         port = port or free_port()
-        argv = [python or sys.executable, "-m", "mlx_lm.server", "--model", str(model),
-                "--host", HOST, "--port", str(port), *map(str, args)]
+        python = python or sys.executable
+        argv = [python, *entry, "--model", str(model), "--host", HOST, "--port", str(port),
+                *map(str, args)]
+        if ranks > 1:
+            argv = [launcher(python), "-n", str(ranks), "--backend", "ring",
+                    "--starting-port", str(free_port()), "--", *argv]
         with open(log_path, "wb") as log_file:
             process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_file,
-                                       stderr=subprocess.STDOUT, env=env, cwd=cwd)
-        server = Server(process, port, log_path)
+                                       stderr=subprocess.STDOUT, env=env, cwd=cwd,
+                                       start_new_session=ranks > 1)
+        server = Server(process, port, log_path, group=ranks > 1)
         try:
             server.wait_ready(ready_timeout)
             yield server

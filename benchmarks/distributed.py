@@ -1,0 +1,127 @@
+"""``mlx_lm.server`` on one process vs two ``mlx.launch`` ranks, same tiny model, one run.
+
+    python benchmarks/distributed.py [--model-type qwen3_5] [--pipeline] [--requests 60]
+                                     [--concurrency 4] [--max-tokens 16] [--rounds 1]
+
+Writes a tiny random-weight hybrid model folder, then starts ``python -m mlx_lm.server`` alone
+and under ``mlx.launch -n 2 --backend ring`` (tensor parallel, or ``--pipeline``), both with the
+installed package, and sends each the same requests (``support.server_load.workload``: shared
+and diverging prefixes, second turns) from ``--concurrency`` threads with the ``openai`` client.
+Every answer is compared with its cold single-sequence reference computed in this process.
+
+Reported per mode: errors, lost requests, wrong answers, completion tokens/s, p50/p95 latency,
+then the 2-rank/1-process ratios. Rounds alternate the modes, each on a fresh server; the best
+round of each is kept. On one machine both ranks share its cores and talk over loopback, and
+the model is tiny: the ratio measures the cost of the collectives on the serving path, not what
+two Macs gain on a real model. Run by hand; tests never assert on speed.
+"""
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+# test-only support (the mlx_lm.server harness, the load) lives in tests/support
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model-type", default="qwen3_5")
+    parser.add_argument("--pipeline", action="store_true", help="pipeline instead of tensor parallel")
+    parser.add_argument("--requests", type=int, default=60)
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=1, help="rounds per mode, alternating")
+    parser.add_argument("--timeout", type=float, default=60.0, help="seconds per request")
+    parser.add_argument("--json", action="store_true", help="also print the results as JSON")
+    args = parser.parse_args()
+
+    import mlx_lm_patches
+
+    mlx_lm_patches.apply()
+    from mlx_lm import load
+
+    from mlx_lm_patches.demos.model_folder import write_model_folder
+    from mlx_lm_patches.demos.tiny_models import build_tiny_model, tiny_config
+    from mlx_lm_patches.engine import env as ours
+    from mlx_lm_patches.engine import versions
+    from support.chat_reference import chat_reference
+    from support.server import ServerExited, serve
+    from support.server_load import run_load, workload
+
+    env = {k: v for k, v in os.environ.items() if k not in ours.ALL_VARIABLES and k != "PYTHONPATH"}
+    env["HF_HUB_OFFLINE"] = "1"
+    layout = "pipeline" if args.pipeline else "tensor"
+    modes = {"1 process": dict(ranks=1, extra=()),
+             "2 ranks": dict(ranks=2, extra=("--pipeline",) if args.pipeline else ())}
+
+    with tempfile.TemporaryDirectory(prefix="distributed-bench-") as tmp:
+        folder = write_model_folder(os.path.join(tmp, "model"), build_tiny_model(args.model_type, seed=1),
+                                    tiny_config(args.model_type))
+        model, tokenizer = load(str(folder))
+        memo = {}
+
+        def reference(messages):
+            key = json.dumps(messages)
+            if key not in memo:
+                memo[key] = chat_reference(model, tokenizer, messages, args.max_tokens)
+            return memo[key]
+
+        jobs = workload(args.requests, lambda m: reference(m).text, seed=0)
+        for messages in jobs:
+            reference(messages)
+        print(f"mlx-lm {versions.mlx_lm().describe()}, mlx {versions.mlx().describe()}, {args.model_type} "
+              f"(tiny, CPU, {os.cpu_count()} cores), 2 ranks: {layout} parallel, {args.requests} requests "
+              f"({len(memo)} distinct) at concurrency {args.concurrency}, max_tokens {args.max_tokens}",
+              flush=True)
+
+        best, broken = {}, {}
+        for round_ in range(args.rounds):
+            for mode, how in modes.items():
+                if mode in broken:
+                    continue
+                try:
+                    with serve(folder, *how["extra"], ranks=how["ranks"], env=env, ready_timeout=180) as server:
+                        warm = run_load(server, jobs[:args.concurrency], args.concurrency, args.max_tokens,
+                                        timeout=args.timeout)
+                        if warm.errors:
+                            broken[mode] = f"warm-up failed: {warm.errors[0].error}"
+                            continue
+                        result = run_load(server, jobs, args.concurrency, args.max_tokens,
+                                          timeout=args.timeout, max_errors=args.concurrency)
+                except ServerExited as exc:
+                    broken[mode] = f"server did not start: {str(exc).splitlines()[0]}"
+                    continue
+                wrong = sum(1 for a in result.answers if a.error is None and
+                            (a.text, a.finish_reason) != (reference(jobs[a.index]).text,
+                                                          reference(jobs[a.index]).finish_reason))
+                row = dict(result.summary(), wrong=wrong, round=round_,
+                           first_error=result.errors[0].error[:200] if result.errors else None)
+                print(f"  round {round_} {mode:>9}: {row}", flush=True)
+                if mode not in best or row["tokens_per_second"] > best[mode]["tokens_per_second"]:
+                    best[mode] = row
+
+    print()
+    print(f"{'mode':>9} {'errors':>6} {'lost':>4} {'wrong':>5} {'tok/s':>8} {'p50 s':>7} {'p95 s':>7}")
+    for mode in modes:
+        if mode in broken:
+            print(f"{mode:>9}  does not work: {broken[mode]}")
+            continue
+        row = best[mode]
+        print(f"{mode:>9} {row['errors']:>6} {row['lost']:>4} {row['wrong']:>5} {row['tokens_per_second']:>8.1f} "
+              f"{row['p50_s']:>7.3f} {row['p95_s']:>7.3f}")
+    one, two = best.get("1 process"), best.get("2 ranks")
+    if one and two:
+        print(f"2 ranks / 1 process: throughput {two['tokens_per_second'] / one['tokens_per_second']:.2f}x, "
+              f"p50 {two['p50_s'] / one['p50_s']:.2f}x, p95 {two['p95_s'] / one['p95_s']:.2f}x")
+    if args.json:
+        print(json.dumps({"best": best, "broken": broken}))
+    ok = [best.get(m) for m in modes]
+    return 0 if all(r and not (r["errors"] or r["lost"] or r["wrong"]) for r in ok) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
