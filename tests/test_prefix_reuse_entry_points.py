@@ -19,7 +19,9 @@ import pytest
 
 import mlx_lm_patches
 from conftest import xfail_if_affected
-from mlx_lm_patches.demos.scenarios import Decoded, greedy, lru_prompt_cache_class, prompt_tokens, speculative_greedy
+from mlx_lm_patches.demos.scenarios import (
+    engine_greedy, engine_prefill, engine_prefix_reuse, greedy, lru_prompt_cache_class, prompt_tokens,
+    speculative_greedy)
 from mlx_lm_patches.demos.tiny_models import DENSE_MODEL_TYPE, available_model_types, build_tiny_model
 
 mlx_lm_patches.apply()
@@ -36,45 +38,8 @@ def _requests(shared=SHARED, seed=4):
     return a, b
 
 
-def engine_prefill(model, tokens, cache, chunk=CHUNK):
-    """What an engine does without mlx-lm's generate loop: the model called on chunks."""
-    import mlx.core as mx
-
-    logits = None
-    for start in range(0, len(tokens), chunk):
-        logits = model(mx.array([tokens[start:start + chunk]]), cache=cache)
-        mx.eval([c.state for c in cache])
-    return logits
-
-
-def engine_greedy(model, tokens, cache, max_tokens=4) -> Decoded:
-    """The engine's own greedy loop from ``cache``: prefill ``tokens``, then one token at a time."""
-    import mlx.core as mx
-
-    logits = engine_prefill(model, tokens, cache)
-    out = Decoded([], [])
-    for _ in range(max_tokens):
-        last = logits[0, -1].astype(mx.float32)
-        logprobs = last - mx.logsumexp(last, keepdims=True)
-        token = int(mx.argmax(logprobs).item())
-        out.tokens.append(token)
-        out.logprobs.append(logprobs)
-        logits = model(mx.array([[token]]), cache=cache)
-    return out
-
-
 def _engine_reuse(model):
-    from mlx_lm.models.cache import make_prompt_cache
-
-    store = lru_prompt_cache_class()()
-    a, b = _requests()
-    cache = make_prompt_cache(model)
-    first = engine_greedy(model, a, cache, max_tokens=3)
-    store.insert_cache("m", a + first.tokens, cache)
-    fetched, rest = store.fetch_nearest_cache("m", b)
-    reused = len(b) - len(rest)
-    warm = engine_greedy(model, list(rest), fetched if fetched is not None else make_prompt_cache(model))
-    return reused, greedy(model, b, max_tokens=4).compare(warm)
+    return engine_prefix_reuse(model, shared=SHARED, chunk=CHUNK)
 
 
 @pytest.mark.family_sweep(HYBRIDS)
@@ -188,3 +153,31 @@ def test_kept_states_are_freed_with_their_entries():
             mx.clear_cache()
             samples[i + 1] = active()
     assert samples[200] - samples[50] <= 2 * entry_bytes, (samples, entry_bytes)
+
+
+def test_a_state_changed_unseen_is_never_used_past_the_change():
+    """Exact or refuse: after something the package did not see replaces a recurrent state, the
+    passes that follow keep nothing, and a request is restored only from a state kept before
+    the change (and then equals a cold prefill)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlx_lm_patches.mechanisms import prefix_reuse as pc
+    from mlx_lm_patches.mechanisms.caches import recurrent_caches
+
+    model = build_tiny_model("qwen3_next", seed=1)
+    a, b = _requests()
+    cache = make_prompt_cache(model)
+    engine_prefill(model, a[:2 * CHUNK], cache, CHUNK)
+    leaf = recurrent_caches(cache)[-1]
+    leaf[len(leaf.cache) - 1] = leaf.cache[-1] * 1.5  # not by a forward: unseen
+    mx.eval(leaf.cache[-1])
+    engine_prefill(model, a[2 * CHUNK:], cache, CHUNK)
+    assert [p for p, _, _ in pc.checkpoints(cache)] == [CHUNK, 2 * CHUNK]
+    store = lru_prompt_cache_class()()
+    store.insert_cache("m", a, cache)
+    fetched, rest = store.fetch_nearest_cache("m", b)
+    reused = len(b) - len(rest)
+    assert reused == 2 * CHUNK, reused
+    problem = greedy(model, b, max_tokens=4).compare(engine_greedy(model, list(rest), fetched, chunk=CHUNK))
+    assert problem is None, problem

@@ -274,6 +274,53 @@ def prefix_reuse(model, shared=600, prefill_step_size=256, max_tokens=6, tail=(9
     return reused, cold.compare(warm)
 
 
+def engine_prefill(model, tokens, cache, chunk=256):
+    """What an engine does without mlx-lm's generate loop: the model called on chunks of
+    ``tokens`` into ``cache``; the last chunk's logits."""
+    import mlx.core as mx
+
+    logits = None
+    for start in range(0, len(tokens), chunk):
+        logits = model(mx.array([list(tokens[start:start + chunk])]), cache=cache)
+        mx.eval([c.state for c in cache])
+    return logits
+
+
+def engine_greedy(model, tokens, cache, max_tokens=4, chunk=256) -> Decoded:
+    """An engine's own greedy loop from ``cache``: :func:`engine_prefill`, then one token at a
+    time; comparable with :func:`greedy`."""
+    import mlx.core as mx
+
+    logits = engine_prefill(model, tokens, cache, chunk)
+    out = Decoded([], [])
+    for _ in range(max_tokens):
+        last = logits[0, -1].astype(mx.float32)
+        logprobs = last - mx.logsumexp(last, keepdims=True)
+        token = int(mx.argmax(logprobs).item())
+        out.tokens.append(token)
+        out.logprobs.append(logprobs)
+        logits = model(mx.array([[token]]), cache=cache)
+    return out
+
+
+def engine_prefix_reuse(model, shared=600, chunk=256, max_tokens=4, tail=(9, 7)):
+    """:func:`prefix_reuse` for an engine that prefills by calling the model itself: request A
+    is prefilled in chunks and stored (prompt + generated tokens); request B fetches from the
+    store and the engine continues from what it gets. ``(tokens reused, None or how B differs
+    from cold greedy decoding through generate_step)``."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    store = lru_prompt_cache_class()()
+    a, b = _two_requests(shared, tail)
+    cache = make_prompt_cache(model)
+    first = engine_greedy(model, a, cache, max_tokens=3, chunk=chunk)
+    store.insert_cache("model", a + first.tokens, cache)
+    fetched, rest = store.fetch_nearest_cache("model", b)
+    warm = engine_greedy(model, list(rest), fetched if fetched is not None else make_prompt_cache(model),
+                         max_tokens=max_tokens, chunk=chunk)
+    return len(b) - len(rest), greedy(model, b, max_tokens=max_tokens).compare(warm)
+
+
 def _single_one(model, prompt, start, max_tokens, prefill_step_size):
     from mlx_lm.models.cache import make_prompt_cache
 

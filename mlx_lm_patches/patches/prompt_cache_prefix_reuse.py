@@ -287,21 +287,25 @@ def apply(p):
 
 
 def scenario():
-    """A prompt stored after a 600-token shared prefix; a request diverging right after it:
-    at least half the shared prefix is reused and the continuation equals a cold prefill."""
-    from mlx_lm_patches.demos.scenarios import prefix_reuse
+    """A prompt stored after a 600-token shared prefix; a request diverging right after it: at
+    least half the shared prefix is reused and the continuation equals a cold prefill - through
+    ``generate_step`` (what the server does) and through an engine calling the model itself."""
+    from mlx_lm_patches.demos.scenarios import engine_prefix_reuse, prefix_reuse
     from mlx_lm_patches.demos.tiny_models import available_model_types, build_tiny_model
 
     details = []
-    for model_type in [t for t in ("qwen3_next", "lfm2", "falcon_h1", "mamba2") if t in available_model_types()]:
+    cases = [(t, "generate_step", prefix_reuse) for t in ("qwen3_next", "lfm2", "falcon_h1", "mamba2")]
+    cases.append(("nemotron_h", "an engine's own prefill", engine_prefix_reuse))
+    for model_type, path, run in [c for c in cases if c[0] in available_model_types()]:
         try:
-            reused, problem = prefix_reuse(build_tiny_model(model_type, seed=1), shared=600, prefill_step_size=256)
+            reused, problem = run(build_tiny_model(model_type, seed=1), shared=600)
         except Exception as exc:
-            return Outcome.failure(f"{model_type}: prefix reuse", exc)
+            return Outcome.failure(f"{model_type} ({path}): prefix reuse", exc)
         if problem:
-            return Outcome.failure(f"{model_type}: {problem}")
+            return Outcome.failure(f"{model_type} ({path}): {problem}")
         if reused < 300:
-            return Outcome.failure(f"{model_type}: a request diverging after 600 shared tokens reused {reused} "
-                                   "(a miss: the whole prompt is prefilled again)")
-        details.append(f"{model_type}: {reused} of 600 shared tokens reused, continuation equal to a cold prefill")
+            return Outcome.failure(f"{model_type} ({path}): a request diverging after 600 shared tokens reused "
+                                   f"{reused} (a miss: the whole prompt is prefilled again)")
+        details.append(f"{model_type} ({path}): {reused} of 600 shared tokens reused, continuation equal "
+                       "to a cold prefill")
     return Outcome(True, "diverging requests reuse an exact earlier state of a stored hybrid prompt", details)
