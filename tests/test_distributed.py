@@ -78,7 +78,7 @@ def _release_skip():
 
 
 RELEASE_SKIP = _release_skip()
-pytestmark = [pytest.mark.subprocess,
+pytestmark = [pytest.mark.subprocess, pytest.mark.release_only,
               pytest.mark.skipif(RELEASE_SKIP is not None, reason=str(RELEASE_SKIP))]
 
 

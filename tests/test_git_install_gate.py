@@ -24,7 +24,7 @@ import pytest
 
 from conftest import run_python
 
-pytestmark = pytest.mark.subprocess
+pytestmark = [pytest.mark.subprocess, pytest.mark.release_only]
 
 PATCH = "mamba-cache-compat"  # its probe finds the bug in every release's files
 

@@ -18,7 +18,7 @@ import pytest
 from conftest import clean_env
 from mlx_lm_patches.demos.mtp_checkpoints import write_mtp_checkpoint
 
-pytestmark = pytest.mark.subprocess
+pytestmark = [pytest.mark.subprocess, pytest.mark.release_only]
 
 FAMILY = next(f for f in ("qwen3_5", "qwen3_next") if importlib.util.find_spec(f"mlx_lm.models.{f}"))
 MAX_TOKENS = 12

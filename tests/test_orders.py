@@ -6,7 +6,7 @@ import pytest
 
 from conftest import REPO, run_python
 
-pytestmark = pytest.mark.subprocess
+pytestmark = [pytest.mark.subprocess, pytest.mark.release_only]
 
 STEPS = {
     "import": "import mlx_lm, mlx_lm.generate, mlx_lm.models.cache",

@@ -8,7 +8,7 @@ import pytest
 
 from conftest import REPO, run_python
 
-pytestmark = pytest.mark.subprocess
+pytestmark = [pytest.mark.subprocess, pytest.mark.release_only]
 
 ENV = {"PYTHONPATH": str(REPO / "tests"), "MLX_LM_PATCHES": "0"}
 

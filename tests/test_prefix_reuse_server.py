@@ -24,7 +24,7 @@ from mlx_lm_patches.demos.model_folder import write_model_folder
 from support.server import serve, server_flags
 from mlx_lm_patches.demos.tiny_models import build_tiny_model, tiny_config
 
-pytestmark = pytest.mark.subprocess
+pytestmark = [pytest.mark.subprocess, pytest.mark.release_only]
 
 MODEL = "qwen3_next"
 MAX_TOKENS = 8

@@ -12,6 +12,8 @@ from mlx_lm_patches.demos.tiny_models import DENSE_MODEL_TYPE, build_tiny_model,
 
 mlx_lm_patches.apply()
 
+pytestmark = pytest.mark.release_only
+
 MAIN = "qwen3_next"
 PROMPT = "the quick brown fox jumps over"
 # The self-draft is the main model itself: every draft token is accepted.

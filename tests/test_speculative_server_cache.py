@@ -20,7 +20,7 @@ from mlx_lm_patches.demos.model_folder import write_model_folder
 from support.server import serve
 from mlx_lm_patches.demos.tiny_models import DENSE_MODEL_TYPE, build_tiny_model, tiny_config
 
-pytestmark = pytest.mark.subprocess
+pytestmark = [pytest.mark.subprocess, pytest.mark.release_only]
 
 PATCH = "speculative-cache-sync"
 MAX_TOKENS = 8

@@ -16,6 +16,10 @@ What keeps a full run inside CI's budget (2 cores), without dropping a cell:
   file, CLI status/table) do not depend on mlx-lm: they run on one row per Python version, the
   newest mlx-lm row of that Python, and are deselected elsewhere (``-m "not python_only"``).
 
+* Tests marked ``release_only`` (entry points in fresh processes: the CLIs, ``mlx_lm.server``
+  over HTTP, distributed launches, import/apply/revert orders) depend on the mlx-lm release, not
+  on mlx: they run on the release's own row (its release-time mlx) and are deselected on a row
+  that only pairs the same release with a newer mlx; that row runs everything else in-process.
 * A row that only adds further ``packages`` to another row's mlx-lm and mlx (its twin) runs the
   tests of those packages, the matrix cells and the CLI (``PACKAGE_TESTS``): everything else
   would repeat its twin's run exactly.
@@ -120,7 +124,8 @@ def session(row, wheel: Path, reuse: bool, pytest_args) -> dict:
             tmp.mkdir(parents=True, exist_ok=True)
             test_env = dict(env, MLX_LM_PATCHES_STRICT="1", MLX_LM_PATCHES_EXPECT_INSTALLED="1", TMPDIR=str(tmp),
                             VIRTUAL_ENV=str(venv), PATH=f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}")
-            selection = [] if row["python_only"] else ["-m", "not python_only"]
+            skip = ([] if row["python_only"] else ["python_only"]) + (["release_only"] if row["mlx_twin"] else [])
+            selection = ["-m", " and ".join(f"not {marker}" for marker in skip)] if skip else []
             if row["twin_of"] and not row["python_only"] and not pytest_args:
                 selection += TWIN_TESTS + [f for name, _ in row["packages"] for f in PACKAGE_TESTS.get(name, [])]
             tested = True
@@ -183,6 +188,14 @@ def mark_upstream_rows(rows) -> None:
         row["upstream_tests"] = best.get(row["mlx_lm"]) is row
 
 
+def mark_mlx_twins(rows) -> None:
+    """``mlx_twin``: a row without further packages whose mlx-lm release has its own row (the
+    one that runs the upstream tests, with the release-time mlx): it only adds a newer mlx."""
+    own = {row["mlx_lm"] for row in rows if row["upstream_tests"]}
+    for row in rows:
+        row["mlx_twin"] = not row["packages"] and not row["upstream_tests"] and row["mlx_lm"] in own
+
+
 def groups_by_mlx(rows) -> list:
     """Rows grouped by mlx version (they share a kernel cache), largest group first."""
     groups = {}
@@ -210,6 +223,7 @@ def main() -> int:
         rows.append(row)
     mark_python_only_rows(rows)
     mark_upstream_rows(rows)
+    mark_mlx_twins(rows)
     mark_package_twins(rows)
     if args.select:
         rows = [row for row in rows if args.select in row["name"]]
