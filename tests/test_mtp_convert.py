@@ -1,0 +1,250 @@
+"""``mlx_lm.convert`` keeps the MTP head (``mtp-heads-converted``): tiny Hugging Face-layout
+checkpoints (HF key names, zero-centred Qwen norms, HF conv1d axes, per-expert / fused experts)
+are converted in-process through mlx-lm's public ``convert`` - unquantized, 4-bit, and with a
+mixed recipe - then loaded with ``mlx_lm.load``. The head comes back (from the
+``mtp.safetensors`` sidecar), quantized as mlx-lm quantized the backbone's layers of the same
+kind, and MTP speculation equals greedy decoding; the converted folders load and generate the
+same greedy tokens in stock mlx-lm (a subprocess with ``MLX_LM_PATCHES=0``), which reads no
+``mtp.*`` tensor. Folders are converted once per module; patches on."""
+
+import contextlib
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import mlx_lm_patches
+from mlx_lm_patches.demos.mtp_checkpoints import check_loaded, write_mtp_checkpoint
+from mlx_lm_patches.demos.scenarios import greedy, prompt_tokens, speculative_greedy
+
+mlx_lm_patches.apply()
+
+FAMILIES = [f for f in ("qwen3_next", "qwen3_5", "nemotron_h")
+            if importlib.util.find_spec(f"mlx_lm.models.{f}") is not None]
+# (family, how): every family unquantized and 4-bit; the mixed recipe on Qwen3-Next.
+CASES = [(f, how) for f in FAMILIES for how in ("fp", "q4")] + [("qwen3_next", "mixed_3_6")]
+PROMPT = prompt_tokens(12, seed=3)
+MAX_TOKENS = 10
+
+
+def _convert(source, out, how):
+    from mlx_lm.convert import convert
+
+    options = {"fp": {}, "q4": {"quantize": True},
+               "mixed_3_6": {"quantize": True, "quant_predicate": "mixed_3_6"}}[how]
+    with contextlib.redirect_stdout(sys.stderr):  # mlx-lm prints its progress
+        convert(str(source), mlx_path=str(out), dtype="float32", **options)
+    return out
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """(written HF checkpoint, converted folder) per case, converted lazily and once."""
+    root = tmp_path_factory.mktemp("mtp-convert")
+    sources, folders = {}, {}
+
+    def get(family, how):
+        if family not in sources:
+            sources[family] = write_mtp_checkpoint(root, family, form="hf", dtype="float32")
+        if (family, how) not in folders:
+            folders[family, how] = _convert(sources[family].folder, root / f"{family}-{how}", how)
+        return sources[family], folders[family, how]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def loaded(converted):
+    from mlx_lm import load
+
+    cache = {}
+
+    def get(family, how):
+        if (family, how) not in cache:
+            cache[family, how] = load(str(converted(family, how)[1]))[0]
+        return cache[family, how]
+
+    return get
+
+
+def _safetensors_keys(folder, pattern):
+    import mlx.core as mx
+
+    return {k: v for f in sorted(folder.glob(pattern)) for k, v in mx.load(str(f)).items()}
+
+
+@pytest.mark.parametrize("family,how", CASES)
+def test_head_in_a_sidecar_stock_does_not_read(converted, family, how):
+    _, folder = converted(family, how)
+    shards = _safetensors_keys(folder, "model*.safetensors")
+    assert shards and not [k for k in shards if "mtp." in k]
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    assert not [k for k in index["weight_map"] if "mtp." in k]
+    assert set(index["weight_map"].values()) == {p.name for p in folder.glob("model*.safetensors")}
+    sidecar = _safetensors_keys(folder, "mtp.safetensors")
+    assert sidecar and all(k.startswith("mtp.") for k in sidecar)
+
+
+@pytest.mark.parametrize("family,how", CASES)
+def test_converted_head_loads_and_mtp_speculation_equals_greedy(converted, loaded, family, how):
+    written, _ = converted(family, how)
+    model = loaded(family, how)
+    assert model.mtp is not None, model.mtp_status
+    assert model.mtp_status.endswith("from mtp.safetensors (written by mlx-lm-patches)"), model.mtp_status
+    if how == "fp":  # float32 all along: backbone and head exactly as in the HF checkpoint
+        assert check_loaded(model, written) is None, check_loaded(model, written)
+    reference = greedy(model, PROMPT, max_tokens=MAX_TOKENS)
+    for num_draft in (1, 2):
+        got = speculative_greedy(model, model.make_draft_model(), PROMPT, max_tokens=MAX_TOKENS,
+                                 num_draft_tokens=num_draft)
+        assert reference.compare(got) is None, f"num_draft_tokens={num_draft}: {reference.compare(got)}"
+
+
+# Same-kind layers of backbone and head: (backbone path with {i} for a full-attention layer,
+# head path) per family, attention projections and (where there is one) the MoE router.
+SAME_KIND = {
+    "qwen3_next": [("model.layers.{i}.self_attn.q_proj", "layers.0.self_attn.q_proj"),
+                   ("model.layers.{i}.self_attn.v_proj", "layers.0.self_attn.v_proj"),
+                   ("model.layers.{i}.mlp.gate", "layers.0.mlp.gate"),
+                   ("model.layers.{i}.mlp.switch_mlp.down_proj", "layers.0.mlp.switch_mlp.down_proj")],
+    "qwen3_5": [("language_model.model.layers.{i}.self_attn.q_proj", "layers.0.self_attn.q_proj"),
+                ("language_model.model.layers.{i}.self_attn.v_proj", "layers.0.self_attn.v_proj"),
+                ("language_model.model.layers.{i}.mlp.down_proj", "layers.0.mlp.down_proj")],
+    "nemotron_h": [("backbone.layers.{i}.mixer.q_proj", "layers.0.mixer.q_proj"),
+                   ("backbone.layers.{i}.mixer.o_proj", "layers.0.mixer.o_proj")],
+}
+
+
+def _bits_and_group(tensors, path, in_dims):
+    if f"{path}.scales" not in tensors:
+        return None
+    return (tensors[f"{path}.weight"].shape[-1] * 32 // in_dims, in_dims // tensors[f"{path}.scales"].shape[-1])
+
+
+def _module(root, path):
+    for part in path.split("."):
+        root = root[int(part)] if part.isdigit() else getattr(root, part)
+    return root
+
+
+def _last_attention_index(model, family):
+    """The last full-attention layer of the backbone (a mixed recipe treats it as the head,
+    which it sees after the last layer: both get its "more bits")."""
+    if family == "nemotron_h":
+        return max(i for i, layer in enumerate(model.layers) if layer.block_type == "*")
+    return max(i for i, layer in enumerate(model.layers) if not getattr(layer, "is_linear", False))
+
+
+@pytest.mark.parametrize("family,how", [c for c in CASES if c[1] != "fp"])
+def test_head_quantized_as_the_backbone_layers_of_its_kind(converted, loaded, family, how):
+    """The written tensors: every head layer of a kind the backbone has is stored with the bits
+    and group size of that backbone layer (as the config's quantization entries say)."""
+    import mlx.nn as nn
+
+    _, folder = converted(family, how)
+    config = json.loads((folder / "config.json").read_text())["quantization"]
+    model = loaded(family, how)
+    shards = _safetensors_keys(folder, "model*.safetensors")
+    head = _safetensors_keys(folder, "mtp.safetensors")
+    index = _last_attention_index(model, family)
+    default = (config["bits"], config["group_size"])
+    checked = 0
+    for backbone_path, head_path in SAME_KIND[family]:
+        backbone_path = backbone_path.format(i=index)
+        try:
+            in_dims = _module(model, backbone_path)
+        except (AttributeError, IndexError):
+            continue  # this release's block has no such layer
+        layer = in_dims
+        in_dims = layer.weight.shape[-1] * 32 // layer.bits if "scales" in layer else layer.weight.shape[-1]
+        stored = _bits_and_group(shards, backbone_path, in_dims)
+        assert _bits_and_group(head, f"mtp.{head_path}", in_dims) == stored, (head_path, stored)
+        if stored is None:  # left full precision (e.g. its input size is no multiple of the group)
+            assert "scales" not in _module(model.mtp, head_path), head_path
+            continue
+        # The config says the same: the same per-layer entry, or none for both (top-level settings).
+        entry, head_entry = config.get(backbone_path), config.get(f"mtp.{head_path}")
+        assert head_entry == entry, (head_path, head_entry, entry)
+        if entry is None:
+            assert stored == default
+        else:
+            # (mlx-lm 0.31.1+ records a mixed recipe's group size as null: the mode's default)
+            assert stored[0] == entry["bits"] and entry["group_size"] in (stored[1], None)
+        loaded_layer = _module(model.mtp, head_path)
+        assert isinstance(loaded_layer, (nn.QuantizedLinear,)) or "Quantized" in type(loaded_layer).__name__
+        assert (loaded_layer.bits, loaded_layer.group_size) == stored
+        checked += 1
+    assert checked >= 2
+    if how == "mixed_3_6":  # the head sits after the last layer: the recipe's "more bits" layers
+        v = _module(model.mtp, "layers.0.self_attn.v_proj")
+        assert (v.bits, config[f"mtp.layers.0.self_attn.v_proj"]["bits"]) == (6, 6)
+        assert _module(model.mtp, "layers.0.self_attn.q_proj").bits == 3
+
+
+STOCK = r"""
+import json, sys
+import mlx.core as mx
+from mlx_lm import load
+from mlx_lm.generate import generate_step
+assert "mlx_lm_patches.engine.core" not in sys.modules
+out = {}
+for folder in sys.argv[2:]:
+    model, _ = load(folder)
+    assert not hasattr(model, "mtp_status")
+    steps = generate_step(mx.array(json.loads(sys.argv[1])), model, max_tokens=%d)
+    out[folder] = [int(t) for t, _ in steps]
+print(json.dumps(out))
+""" % MAX_TOKENS
+
+
+def test_stock_mlx_lm_loads_the_converted_folders_and_generates_the_same(converted, loaded):
+    cases = [c for c in CASES if c[1] != "mixed_3_6"]
+    folders = [str(converted(*case)[1]) for case in cases]
+    env = dict(os.environ, MLX_LM_PATCHES="0")
+    run = subprocess.run([sys.executable, "-c", STOCK, json.dumps(PROMPT), *folders], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    stock = json.loads(run.stdout.strip().splitlines()[-1])
+    for case, folder in zip(cases, folders):
+        assert stock[folder] == greedy(loaded(*case), PROMPT, max_tokens=MAX_TOKENS).tokens, case
+
+
+def test_a_missing_sidecar_is_reported(converted, tmp_path):
+    from mlx_lm import load
+    from mlx_lm_patches.mechanisms.mtp.decoding import MTPUnavailable
+
+    folder = tmp_path / "no-sidecar"
+    shutil.copytree(converted("qwen3_next", "q4")[1], folder)
+    (folder / "mtp.safetensors").unlink()
+    model = load(str(folder))[0]
+    assert model.mtp is None
+    assert model.mtp_status == ("config declares 1 MTP layer(s) but the checkpoint has no mtp.* tensors "
+                                "(neither in its weight files nor in mtp.safetensors)")
+    with pytest.raises(MTPUnavailable, match="neither in its weight files nor in mtp.safetensors"):
+        model.make_draft_model()
+
+
+def test_save_model_keeps_the_head(converted, loaded, tmp_path):
+    """``mlx_lm.utils.save_model`` (what ``save``, and so ``mlx_lm.fuse``, calls) of a model with
+    a kept head: the head goes to the sidecar, quantized as it is, and loads back equal."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm import load
+    from mlx_lm.utils import save_model
+
+    source = converted("qwen3_next", "q4")[1]
+    model = loaded("qwen3_next", "q4")
+    folder = tmp_path / "saved"
+    save_model(str(folder), model)
+    for f in source.iterdir():
+        if not f.name.endswith(".safetensors") and not f.name.endswith(".index.json"):
+            shutil.copy(f, folder)
+    assert not [k for k in _safetensors_keys(folder, "model*.safetensors") if "mtp." in k]
+    again = load(str(folder))[0]
+    want, got = dict(tree_flatten(model.mtp.parameters())), dict(tree_flatten(again.mtp.parameters()))
+    assert set(want) == set(got)
+    assert all(mx.array_equal(want[k], got[k]).item() for k in want)
