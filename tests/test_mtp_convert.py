@@ -25,8 +25,15 @@ mlx_lm_patches.apply()
 
 FAMILIES = [f for f in ("qwen3_next", "qwen3_5", "nemotron_h")
             if importlib.util.find_spec(f"mlx_lm.models.{f}") is not None]
-# (family, how): every family unquantized and 4-bit; the mixed recipe on Qwen3-Next.
-CASES = [(f, how) for f in FAMILIES for how in ("fp", "q4")] + [("qwen3_next", "mixed_3_6")]
+# (family, how): every family unquantized and 4-bit (the release's defaults); on Qwen3-Next also
+# 8-bit with group size 32, mxfp4, and the mixed recipe.
+CASES = ([(f, how) for f in FAMILIES for how in ("fp", "q4")]
+         + [("qwen3_next", how) for how in ("q8g32", "mxfp4", "mixed_3_6")])
+
+
+def _head_full_precision(path, module):
+    """A user's own predicate: the head stays full precision, the backbone 4-bit."""
+    return not path.startswith("mtp.")
 PROMPT = prompt_tokens(12, seed=3)
 MAX_TOKENS = 10
 
@@ -35,7 +42,10 @@ def _convert(source, out, how):
     from mlx_lm.convert import convert
 
     options = {"fp": {}, "q4": {"quantize": True},
-               "mixed_3_6": {"quantize": True, "quant_predicate": "mixed_3_6"}}[how]
+               "q8g32": {"quantize": True, "q_bits": 8, "q_group_size": 32},
+               "mxfp4": {"quantize": True, "q_mode": "mxfp4", "q_bits": 4, "q_group_size": 32},
+               "mixed_3_6": {"quantize": True, "quant_predicate": "mixed_3_6"},
+               "head-fp": {"quantize": True, "quant_predicate": _head_full_precision}}[how]
     with contextlib.redirect_stdout(sys.stderr):  # mlx-lm prints its progress
         convert(str(source), mlx_path=str(out), dtype="float32", **options)
     return out
@@ -175,8 +185,9 @@ def test_head_quantized_as_the_backbone_layers_of_its_kind(converted, loaded, fa
             # (mlx-lm 0.31.1+ records a mixed recipe's group size as null: the mode's default)
             assert stored[0] == entry["bits"] and entry["group_size"] in (stored[1], None)
         loaded_layer = _module(model.mtp, head_path)
-        assert isinstance(loaded_layer, (nn.QuantizedLinear,)) or "Quantized" in type(loaded_layer).__name__
+        assert isinstance(loaded_layer, nn.QuantizedLinear) or "Quantized" in type(loaded_layer).__name__
         assert (loaded_layer.bits, loaded_layer.group_size) == stored
+        assert getattr(loaded_layer, "mode", "affine") == getattr(layer, "mode", "affine")
         checked += 1
     assert checked >= 2
     if how == "mixed_3_6":  # the head sits after the last layer: the recipe's "more bits" layers
@@ -248,3 +259,90 @@ def test_save_model_keeps_the_head(converted, loaded, tmp_path):
     want, got = dict(tree_flatten(model.mtp.parameters())), dict(tree_flatten(again.mtp.parameters()))
     assert set(want) == set(got)
     assert all(mx.array_equal(want[k], got[k]).item() for k in want)
+
+
+def test_a_predicate_of_the_user_decides_for_the_head(converted, loaded):
+    """``convert(quant_predicate=callable)`` sees the head's layers as ``mtp.<path>``: here it
+    keeps them full precision while the backbone is quantized."""
+    from mlx.utils import tree_flatten
+
+    _, folder = converted("qwen3_next", "head-fp")
+    head = _safetensors_keys(folder, "mtp.safetensors")
+    assert head and not [k for k in head if k.endswith(".scales")]
+    assert [k for k in _safetensors_keys(folder, "model*.safetensors") if k.endswith(".scales")]
+    model = loaded("qwen3_next", "head-fp")
+    assert not [k for k, _ in tree_flatten(model.mtp.parameters()) if k.endswith(".scales")]
+    reference = greedy(model, PROMPT, max_tokens=MAX_TOKENS)
+    got = speculative_greedy(model, model.make_draft_model(), PROMPT, max_tokens=MAX_TOKENS)
+    assert reference.compare(got) is None, reference.compare(got)
+
+
+def _adapters(model_folder, adapter_dir):
+    """LoRA adapters for the last two backbone layers, with non-zero ``lora_b`` (so fusing
+    changes the backbone), written as ``mlx_lm.lora`` writes them."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm import load
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    model = load(str(model_folder))[0]
+    model.freeze()
+    lora = {"rank": 4, "scale": 2.0, "dropout": 0.0}
+    linear_to_lora_layers(model, 2, lora)
+    trainable = dict(tree_flatten(model.trainable_parameters()))
+    trainable = {k: 0.05 * mx.random.normal(v.shape, key=mx.random.key(i)).astype(v.dtype) if k.endswith("lora_b") else v
+                 for i, (k, v) in enumerate(sorted(trainable.items()))}
+    adapter_dir.mkdir()
+    mx.save_safetensors(str(adapter_dir / "adapters.safetensors"), trainable)
+    (adapter_dir / "adapter_config.json").write_text(json.dumps(
+        {"fine_tune_type": "lora", "num_layers": 2, "lora_parameters": lora}))
+    return adapter_dir
+
+
+@pytest.mark.parametrize("dequantize", [False, True])
+def test_fuse_keeps_the_head(converted, loaded, tmp_path, monkeypatch, dequantize):
+    """``mlx_lm.fuse`` of LoRA adapters on a converted 4-bit folder: the head goes along
+    unchanged (LoRA never adapts it), or dequantized with the backbone under ``--dequantize``;
+    the fused model drafts exactly."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm import fuse, load
+
+    import inspect
+
+    if dequantize and "dequantize(model)" in inspect.getsource(fuse.main) and not hasattr(fuse, "dequantize"):
+        pytest.skip("this mlx-lm's fuse --dequantize calls `dequantize`, which it never imports (NameError, stock)")
+    source = converted("qwen3_next", "q4")[1]
+    adapters = _adapters(source, tmp_path / "adapters")
+    out = tmp_path / "fused"
+    argv = ["mlx_lm.fuse", "--model", str(source), "--adapter-path", str(adapters), "--save-path", str(out)]
+    monkeypatch.setattr(sys, "argv", argv + (["--dequantize"] if dequantize else []))
+    with contextlib.redirect_stdout(sys.stderr):
+        fuse.main()
+    assert not [k for k in _safetensors_keys(out, "model*.safetensors") if "mtp." in k]
+    sidecar = _safetensors_keys(out, "mtp.safetensors")
+    assert bool([k for k in sidecar if k.endswith(".scales")]) is not dequantize
+    fused = load(str(out))[0]
+    assert fused.mtp is not None, fused.mtp_status
+    original = loaded("qwen3_next", "q4")
+    if dequantize:
+        from mlx_lm.utils import dequantize_model
+
+        want = dict(tree_flatten(dequantize_model(_fresh_head(source)).parameters()))
+    else:
+        want = dict(tree_flatten(original.mtp.parameters()))
+    got = dict(tree_flatten(fused.mtp.parameters()))
+    assert set(got) == set(want)
+    assert all(mx.array_equal(got[k], want[k]).item() for k in want)
+    before = dict(tree_flatten(original.parameters()))
+    assert any(not mx.array_equal(v, before[k]).item() for k, v in tree_flatten(fused.parameters())
+               if k in before and v.shape == before[k].shape), "the adapters changed nothing"
+    reference = greedy(fused, PROMPT, max_tokens=MAX_TOKENS)
+    got = speculative_greedy(fused, fused.make_draft_model(), PROMPT, max_tokens=MAX_TOKENS)
+    assert reference.compare(got) is None, reference.compare(got)
+
+
+def _fresh_head(folder):
+    from mlx_lm import load
+
+    return load(str(folder))[0].mtp

@@ -18,7 +18,9 @@ Fix
     under ``mtp.<path>``) and dequantizes it exactly as it does the backbone. For the mixed
     recipes (``--quant-predicate mixed_3_6`` ...) the recipe is built on the backbone alone and
     sees head layer ``i`` as backbone layer ``num_hidden_layers + i`` (its path's layer index;
-    the head's other layers as layer ``num_hidden_layers``). Wrap ``mlx_lm.utils.save_model``
+    the head's other layers as layer ``num_hidden_layers``). ``mlx_lm.fuse`` likewise: the head,
+    which LoRA never adapts, joins the tree after its ``load``, so ``--dequantize`` dequantizes
+    it with the backbone. Wrap ``mlx_lm.utils.save_model``
     (which ``save``, and so ``convert`` and ``fuse``, call): the head leaves the tree before
     stock writes the shards and goes to an ``mtp.safetensors`` sidecar in mlx-lm's layout -
     outside the ``model*.safetensors`` glob of every release's ``load_model`` and not in the
@@ -47,11 +49,13 @@ from mlx_lm_patches.engine.contract import NotNeeded, Outcome
 
 UTILS = "mlx_lm.utils"
 CONVERT = "mlx_lm.convert"
+FUSE = "mlx_lm.fuse"
 
 _converting = contextvars.ContextVar("mlx_lm_patches_mtp_converting", default=False)
 
 
-def _convert(wrapped, instance, args, kwargs):
+def _writing(wrapped, instance, args, kwargs):
+    """``convert`` and ``fuse``'s ``main``: the model they load is written out with its head."""
     token = _converting.set(True)
     try:
         return wrapped(*args, **kwargs)
@@ -59,7 +63,7 @@ def _convert(wrapped, instance, args, kwargs):
         _converting.reset(token)
 
 
-def _load_for_convert(wrapped, instance, args, kwargs):
+def _load_for_writing(wrapped, instance, args, kwargs):
     from mlx_lm_patches.mechanisms.mtp.heads import into_tree
 
     result = wrapped(*args, **kwargs)
@@ -133,10 +137,12 @@ def apply(p):
     # Anchored on mlx_lm.convert, not mlx_lm.utils: mlx_lm/__init__ imports convert first, which
     # imports utils half-way through its own import (before ``convert`` is defined); any import
     # of mlx-lm runs mlx_lm/__init__, so save_model is patched for fuse and direct calls too.
-    p.wrap(f"{CONVERT}:convert", _convert)
-    p.wrap(f"{CONVERT}:load", _load_for_convert)
+    p.wrap(f"{CONVERT}:convert", _writing)
+    p.wrap(f"{CONVERT}:load", _load_for_writing)
     p.wrap(f"{CONVERT}:mixed_quant_predicate_builder", _mixed_recipe)
     p.wrap(f"{UTILS}:save_model", _save_model)
+    p.wrap(f"{FUSE}:main", _writing)  # deferred until mlx_lm.fuse is imported
+    p.wrap(f"{FUSE}:load", _load_for_writing)
 
 
 def scenario():
