@@ -184,7 +184,15 @@ def scenario():
                 return Outcome.failure(f"{what}: the converted head does not load: "
                                        f"{getattr(model, 'mtp_status', 'no mtp_status')}")
             prompt = prompt_tokens(10)
-            problem = greedy(model, prompt).compare(speculative_greedy(model, model.make_draft_model(), prompt))
+            try:
+                problem = greedy(model, prompt).compare(speculative_greedy(model, model.make_draft_model(), prompt))
+            except TypeError as exc:
+                if "gather_qmm" not in str(exc) or "global_scale" not in str(exc):
+                    raise
+                details.append(f"{what}: head in mtp.safetensors, loaded back ({model.mtp_status}); not run: "
+                               "stock mlx-lm's quantized MoE layers need mx.gather_qmm(global_scale=), "
+                               "which this mlx lacks")
+                continue
             if problem:
                 return Outcome.failure(f"{what}: MTP speculation differs from greedy: {problem}")
             details.append(f"{what}: head in mtp.safetensors, loaded back ({model.mtp_status}); "

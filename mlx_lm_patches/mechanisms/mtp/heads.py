@@ -24,7 +24,10 @@ Layouts accepted, per tensor (checkpoints mix them):
   config's top-level settings still loads.
 
 The head is kept *outside* the model's parameter tree (``model.mtp``, with ``model.mtp_status``
-saying what happened), so ``mlx_lm.convert``, LoRA and ``save`` behave exactly as before.
+saying what happened), so LoRA and everything that walks the parameters behave exactly as
+before; ``mtp-heads-converted`` puts it into the tree while ``mlx_lm.convert`` / ``mlx_lm.fuse``
+run (``into_tree``) and ``save_model`` writes it to an ``mtp.safetensors`` sidecar
+(``out_of_tree``, ``save_sidecar``), which ``attach`` reads back.
 """
 
 import re
