@@ -384,3 +384,41 @@ def _fresh_head(folder):
     from mlx_lm import load
 
     return load(str(folder))[0].mtp
+
+
+STOCK_CONVERT = r"""
+import contextlib, json, sys
+from mlx_lm.convert import convert
+assert "mlx_lm_patches.engine.core" not in sys.modules
+options = json.loads(sys.argv[1])
+for out, kwargs in options.items():
+    with contextlib.redirect_stdout(sys.stderr):
+        convert(sys.argv[2], mlx_path=out, dtype="float32", **kwargs)
+"""
+
+
+def test_the_backbone_is_written_as_stock_mlx_lm_writes_it(converted, tmp_path):
+    """Stock ``mlx_lm.convert`` (``MLX_LM_PATCHES=0``) of the same checkpoint, 4-bit and with a
+    mixed recipe: the same weight files, tensor for tensor, the same index and the same
+    config.json apart from the head's ``mtp.`` quantization entries."""
+    import mlx.core as mx
+
+    source = converted("qwen3_next", "fp")[0].folder
+    hows = {"q4": {"quantize": True}, "mixed_3_6": {"quantize": True, "quant_predicate": "mixed_3_6"}}
+    outs = {str(tmp_path / how): kwargs for how, kwargs in hows.items()}
+    run = subprocess.run([sys.executable, "-c", STOCK_CONVERT, json.dumps(outs), str(source)],
+                         env=dict(os.environ, MLX_LM_PATCHES="0"), capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    for how in hows:
+        stock, ours = tmp_path / how, converted("qwen3_next", how)[1]
+        assert not (stock / "mtp.safetensors").exists()
+        want, got = _safetensors_keys(stock, "model*.safetensors"), _safetensors_keys(ours, "model*.safetensors")
+        assert set(got) == set(want), how
+        assert all(mx.array_equal(got[k], want[k]).item() and got[k].dtype == want[k].dtype for k in want), how
+        assert json.loads((ours / "model.safetensors.index.json").read_text()) == json.loads(
+            (stock / "model.safetensors.index.json").read_text())
+        config = json.loads((ours / "config.json").read_text())
+        for key in ("quantization", "quantization_config"):
+            if key in config:
+                config[key] = {k: v for k, v in config[key].items() if not k.startswith("mtp.")}
+        assert config == json.loads((stock / "config.json").read_text()), how
