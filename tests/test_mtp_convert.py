@@ -422,3 +422,28 @@ def test_the_backbone_is_written_as_stock_mlx_lm_writes_it(converted, tmp_path):
             if key in config:
                 config[key] = {k: v for k, v in config[key].items() if not k.startswith("mtp.")}
         assert config == json.loads((stock / "config.json").read_text()), how
+
+
+@skips_stock_moe_bug
+def test_convert_dequantize_dequantizes_the_head(converted, loaded, tmp_path):
+    """``convert(dequantize=True)`` of the converted 4-bit folder: the head is dequantized with
+    the backbone (mlx-lm's ``dequantize_model`` on the same layers) and still drafts exactly."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm import load
+    from mlx_lm.convert import convert
+    from mlx_lm.utils import dequantize_model
+
+    source = converted("qwen3_next", "q4")[1]
+    out = tmp_path / "dequantized"
+    with contextlib.redirect_stdout(sys.stderr):
+        convert(str(source), mlx_path=str(out), dequantize=True, dtype="float32")
+    sidecar = _safetensors_keys(out, "mtp.safetensors")
+    assert sidecar and not [k for k in sidecar if k.endswith((".scales", ".biases"))]
+    model = load(str(out))[0]
+    want = dict(tree_flatten(dequantize_model(load(str(source))[0].mtp).parameters()))
+    got = dict(tree_flatten(model.mtp.parameters()))
+    assert set(got) == set(want) and all(mx.array_equal(got[k], want[k]).item() for k in want)
+    reference = greedy(model, PROMPT, max_tokens=MAX_TOKENS)
+    drafted = speculative_greedy(model, model.make_draft_model(), PROMPT, max_tokens=MAX_TOKENS)
+    assert reference.compare(drafted) is None, reference.compare(drafted)
