@@ -447,3 +447,14 @@ def test_convert_dequantize_dequantizes_the_head(converted, loaded, tmp_path):
     reference = greedy(model, PROMPT, max_tokens=MAX_TOKENS)
     drafted = speculative_greedy(model, model.make_draft_model(), PROMPT, max_tokens=MAX_TOKENS)
     assert reference.compare(drafted) is None, reference.compare(drafted)
+
+
+def test_a_head_that_cannot_be_kept_is_reported_when_converting(tmp_path):
+    """A checkpoint whose config declares an MTP head it does not carry: convert warns (stderr),
+    naming why, instead of silently writing a folder without it."""
+    full = write_mtp_checkpoint(tmp_path, "qwen3_next", form="hf", dtype="float32", name="full")
+    written = write_mtp_checkpoint(tmp_path, "qwen3_next", form="hf", dtype="float32", name="none",
+                                   drop=[k for k in _safetensors_keys(full.folder, "model*.safetensors") if "mtp." in k])
+    with pytest.warns(UserWarning, match="no MTP head: config declares 1 MTP layer"):
+        _convert(written.folder, tmp_path / "converted", "fp")
+    assert not (tmp_path / "converted" / "mtp.safetensors").exists()

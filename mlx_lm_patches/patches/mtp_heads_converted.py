@@ -25,7 +25,8 @@ Fix
     stock writes the shards and goes to an ``mtp.safetensors`` sidecar in mlx-lm's layout -
     outside the ``model*.safetensors`` glob of every release's ``load_model`` and not in the
     weight index, so stock mlx-lm loads and runs the folder unchanged. ``mtp-heads-kept`` reads
-    the sidecar back (``model.mtp_status`` names it as the head's source).
+    the sidecar back (``model.mtp_status`` names it as the head's source). A head declared but
+    not kept at load makes ``convert`` warn with the reason (it cannot be written).
 
 Affected
     Every supported release (0.28.4 - 0.32.2); the probe decides on newer ones.
@@ -68,7 +69,13 @@ def _load_for_writing(wrapped, instance, args, kwargs):
 
     result = wrapped(*args, **kwargs)
     if _converting.get():
-        into_tree(result[0] if isinstance(result, tuple) else result)
+        model = result[0] if isinstance(result, tuple) else result
+        if not into_tree(model):
+            status = model.__dict__.get("mtp_status") if isinstance(model, dict) else None
+            if status and status != "no MTP head in this checkpoint":
+                import warnings
+
+                warnings.warn(f"the converted model will have no MTP head: {status}", stacklevel=2)
     return result
 
 
