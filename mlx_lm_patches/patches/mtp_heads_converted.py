@@ -99,7 +99,8 @@ def _mixed_recipe(wrapped, instance, args, kwargs):
         if head is None:
             return predicate
         first = model.layers[0]
-        layers_prefix = next(name for name, module in model.named_modules() if module is first).rsplit(".", 1)[0]
+        found = next((name for name, module in model.named_modules() if module is first), "layers.0")
+        layers_prefix = found.rsplit(".", 1)[0]
         n_layers = len(model.layers)
     finally:
         if head is not None:
