@@ -83,7 +83,7 @@ class Qwen:
         head.norm = nn.RMSNorm(hidden, eps=eps)
         return head
 
-    def convert(self, tensors):
+    def convert(self, tensors, mlx_layout=False):
         import mlx.core as mx
 
         out, experts = {}, {}
@@ -101,7 +101,7 @@ class Qwen:
                     out[f"{prefix}.switch_mlp.down_proj.weight"] = value
                 continue
             parts = key.split(".")
-            if value.ndim == 1 and parts[-1] == "weight" and "norm" in parts[-2]:
+            if not mlx_layout and value.ndim == 1 and parts[-1] == "weight" and "norm" in parts[-2]:
                 if mx.mean(value.astype(mx.float32)).item() < 0.5:
                     value = value + 1.0  # zero-centred (1 + w) storage
             out[key] = value
@@ -188,7 +188,7 @@ class NemotronH:
         head.layers = layers
         return head
 
-    def convert(self, tensors):
+    def convert(self, tensors, mlx_layout=False):
         out, experts = {}, {}
         for key, value in tensors.items():
             if not _set_aside_expert(key, value, experts):

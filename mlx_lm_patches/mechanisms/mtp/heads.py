@@ -24,7 +24,10 @@ Layouts accepted, per tensor (checkpoints mix them):
   config's top-level settings still loads.
 
 The head is kept *outside* the model's parameter tree (``model.mtp``, with ``model.mtp_status``
-saying what happened), so ``mlx_lm.convert``, LoRA and ``save`` behave exactly as before.
+saying what happened), so LoRA and everything that walks the parameters behave exactly as
+before; ``mtp-heads-converted`` puts it into the tree while ``mlx_lm.convert`` / ``mlx_lm.fuse``
+run (``into_tree``) and ``save_model`` writes it to an ``mtp.safetensors`` sidecar
+(``out_of_tree``, ``save_sidecar``), which ``attach`` reads back.
 """
 
 import re
@@ -34,7 +37,11 @@ from mlx_lm_patches.mechanisms.mtp.families import FAMILIES, HeadUnsupported, fa
 
 MTP_KEY = re.compile(r"(^|\.)mtp\.")
 STASH = "_mlx_lm_patches_mtp_tensors"
-SIDECARS = ("mtp.safetensors",)  # model-mtp.safetensors is already read by mlx-lm's glob
+SIDECAR = "mtp.safetensors"  # outside mlx-lm's ``model*.safetensors`` glob: stock never reads it
+SIDECARS = (SIDECAR,)  # model-mtp.safetensors is already read by mlx-lm's glob
+# Metadata of the sidecar ``save_sidecar`` writes: its tensors are in mlx-lm's layout already (Qwen
+# norms shifted), so no per-tensor layout guess is made when it is read back.
+SIDECAR_METADATA = {"format": "mlx", "mtp_layout": "mlx-lm"}
 
 
 def split(weights):
@@ -105,9 +112,10 @@ def build(model, n_layers: int, config=None, weights=None):
     return family_of(model).build(model, config or {}, weights or {}, n_layers)
 
 
-def to_mlx_layout(tensors, model) -> dict:
-    """Checkpoint MTP tensors -> the head's parameter names and layout (see module docstring)."""
-    return family_of(model).convert({_relative(k): v for k, v in tensors.items()})
+def to_mlx_layout(tensors, model, *, mlx_layout=False) -> dict:
+    """Checkpoint MTP tensors -> the head's parameter names and layout (see module docstring);
+    ``mlx_layout``: the tensors are known to be in mlx-lm's layout (no per-tensor norm guess)."""
+    return family_of(model).convert({_relative(k): v for k, v in tensors.items()}, mlx_layout=mlx_layout)
 
 
 def _layer_count(weights) -> int:
@@ -162,10 +170,17 @@ def attach(model, model_path, config, lazy=False) -> None:
     import mlx.core as mx
 
     tensors = dict(model.__dict__.pop(STASH, {}))
+    sources = ["the checkpoint's mtp.* keys"] if tensors else []
+    mlx_layout = False
     for name in SIDECARS:
         path = pathlib.Path(model_path) / name
         if path.exists():
-            tensors.update(mx.load(str(path)))
+            sidecar, metadata = mx.load(str(path), return_metadata=True)
+            if not sidecar:
+                continue
+            mlx_layout = metadata.get("mtp_layout") == SIDECAR_METADATA["mtp_layout"] and not tensors
+            tensors.update(sidecar)
+            sources.append(f"{name} (written by {'mlx-lm-patches' if mlx_layout else 'another tool'})")
     declared = declared_layers(config)
     model.__dict__["mtp"] = None
     model_type = getattr(model, "model_type", None)
@@ -177,10 +192,11 @@ def attach(model, model_path, config, lazy=False) -> None:
     if not tensors:
         model.__dict__["mtp_status"] = (
             f"config declares {declared} MTP layer(s) but the checkpoint has no mtp.* tensors"
+            f" (neither in its weight files nor in {SIDECAR})"
             if declared else "no MTP head in this checkpoint"
         )
         return
-    weights = to_mlx_layout(tensors, model)
+    weights = to_mlx_layout(tensors, model, mlx_layout=mlx_layout)
     # Qwen: one decoder layer per MTP layer; Nemotron-H: one step made of several blocks.
     steps = (declared or 1) if model_type == "nemotron_h" else (_layer_count(weights) or max(declared, 1))
     try:
@@ -196,7 +212,8 @@ def attach(model, model_path, config, lazy=False) -> None:
     if not lazy:
         mx.eval(head.parameters())
     model.__dict__["mtp"] = head
-    model.__dict__["mtp_status"] = f"MTP head kept: {len(head.layers)} layer(s), {len(weights)} tensors"
+    model.__dict__["mtp_status"] = (f"MTP head kept: {len(head.layers)} layer(s), {len(weights)} tensors, "
+                                    f"from {' and '.join(sources)}")
 
 
 def _strict_load(head, weights) -> Optional[str]:
@@ -218,3 +235,41 @@ def _strict_load(head, weights) -> Optional[str]:
         return f"shape mismatch for mtp.{', mtp.'.join(wrong[:6])}"
     head.load_weights(list(weights.items()), strict=True)
     return None
+
+
+# -- writing the head (mlx_lm.convert, mlx_lm.fuse, mlx_lm.utils.save_model) ------------------------
+TREE_KEY = "mtp"  # where the head joins the parameter tree while mlx_lm.convert casts and quantizes it
+
+
+def head_of(model):
+    """The head attached at load (``model.mtp``), or ``None``."""
+    return model.__dict__.get("mtp") if isinstance(model, dict) else None
+
+
+def into_tree(model) -> bool:
+    """Put the attached head into ``model``'s parameter tree (as ``mtp``), so mlx-lm's own code
+    (dtype cast, ``quantize_model``, ``dequantize_model``) treats its layers as the backbone's."""
+    head = head_of(model)
+    if head is None:
+        return False
+    model[TREE_KEY] = head
+    return True
+
+
+def out_of_tree(model):
+    """Take the head out of the parameter tree again (it stays ``model.mtp``); the head or None."""
+    head = model.pop(TREE_KEY, None) if isinstance(model, dict) else None
+    if head is not None:
+        model.__dict__["mtp"] = head
+    return head if head is not None else head_of(model)
+
+
+def save_sidecar(folder, head) -> None:
+    """Write ``head`` (mlx-lm layout, quantized as it is) to ``folder/mtp.safetensors``."""
+    import pathlib
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    tensors = {f"mtp.{k}": v for k, v in tree_flatten(head.parameters())}
+    mx.save_safetensors(str(pathlib.Path(folder) / SIDECAR), tensors, metadata=dict(SIDECAR_METADATA))

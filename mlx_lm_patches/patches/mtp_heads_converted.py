@@ -1,0 +1,208 @@
+"""``mlx_lm.convert``, ``mlx_lm.fuse`` and ``mlx_lm.utils.save_model`` write the MTP head that
+``mtp-heads-kept`` attached at load, quantized as mlx-lm quantizes the backbone's layers.
+
+Bug
+    The MTP head of Qwen3-Next, Qwen3.5/3.6 and Nemotron-H checkpoints is kept at load
+    (``model.mtp``) outside the model's parameter tree, and mlx-lm saves the parameter tree
+    only: ``mlx_lm.convert --hf-path <HF checkpoint> [-q]`` (and ``mlx_lm.fuse``,
+    ``mlx_lm.utils.save_model``) writes a checkpoint without the head, and
+    ``--draft-model mtp`` then has nothing to draft with. Putting the head's ``mtp.*`` tensors
+    into the weight files instead would break stock mlx-lm: its qwen3_next ``sanitize`` rejects
+    MLX-format ``mtp.*`` keys (``Received N parameters not in model``).
+
+Fix
+    Wrap ``mlx_lm.convert.convert``: while it runs, the ``load`` it calls puts the attached head
+    into the parameter tree (as ``mtp``), so mlx-lm's own code casts it to the requested dtype,
+    quantizes it (``quantize_model`` with the given bits, group size, mode, the family's
+    ``quant_predicate`` or the user's, per-layer entries recorded in ``config["quantization"]``
+    under ``mtp.<path>``) and dequantizes it exactly as it does the backbone. For the mixed
+    recipes (``--quant-predicate mixed_3_6`` ...) the recipe is built on the backbone alone and
+    sees head layer ``i`` as backbone layer ``num_hidden_layers + i`` (its path's layer index;
+    the head's other layers as layer ``num_hidden_layers``). ``mlx_lm.fuse`` likewise: the head,
+    which LoRA never adapts, joins the tree after its ``load``, so ``--dequantize`` dequantizes
+    it with the backbone. Wrap ``mlx_lm.utils.save_model``
+    (which ``save``, and so ``convert`` and ``fuse``, call): the head leaves the tree before
+    stock writes the shards and goes to an ``mtp.safetensors`` sidecar in mlx-lm's layout -
+    outside the ``model*.safetensors`` glob of every release's ``load_model`` and not in the
+    weight index, so stock mlx-lm loads and runs the folder unchanged. ``mtp-heads-kept`` reads
+    the sidecar back (``model.mtp_status`` names it as the head's source). A head declared but
+    not kept at load makes ``convert`` warn with the reason (it cannot be written).
+
+Affected
+    Every supported release (0.28.4 - 0.32.2); the probe decides on newer ones.
+
+Upstream
+    https://github.com/ml-explore/mlx-lm/blob/v0.32.2/mlx_lm/convert.py (``convert``);
+    https://github.com/ml-explore/mlx-lm/blob/v0.32.2/mlx_lm/utils.py (``save_model``);
+    https://github.com/ml-explore/mlx-lm/pull/990 (MTP support, open).
+
+Retire
+    With ``mtp-heads-kept``: when mlx-lm keeps (and so saves) MTP heads itself in every
+    supported release.
+
+Metal
+    Saving only; quantization is mlx-lm's own.
+"""
+
+import contextvars
+
+from mlx_lm_patches.engine.contract import NotNeeded, Outcome
+
+UTILS = "mlx_lm.utils"
+CONVERT = "mlx_lm.convert"
+FUSE = "mlx_lm.fuse"
+
+_converting = contextvars.ContextVar("mlx_lm_patches_mtp_converting", default=False)
+
+
+def _writing(wrapped, instance, args, kwargs):
+    """``convert`` and ``fuse``'s ``main``: the model they load is written out with its head."""
+    token = _converting.set(True)
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        _converting.reset(token)
+
+
+def _load_for_writing(wrapped, instance, args, kwargs):
+    from mlx_lm_patches.mechanisms.mtp.heads import into_tree
+
+    result = wrapped(*args, **kwargs)
+    if _converting.get():
+        model = result[0] if isinstance(result, tuple) else result
+        if not into_tree(model):
+            status = model.__dict__.get("mtp_status") if isinstance(model, dict) else None
+            if status and status != "no MTP head in this checkpoint":
+                import warnings
+
+                warnings.warn(f"the converted model will have no MTP head: {status}", stacklevel=2)
+    return result
+
+
+def _head_path(path, layers_prefix, n_layers):
+    """A head layer's path as the backbone layer a mixed recipe should see it as."""
+    rest = path[len("mtp."):]
+    if rest.startswith("layers."):
+        index, _, tail = rest[len("layers."):].partition(".")
+        if index.isdigit():
+            return f"{layers_prefix}.{n_layers + int(index)}.{tail}"
+    return f"{layers_prefix}.{n_layers}.{rest}"
+
+
+def _mixed_recipe(wrapped, instance, args, kwargs):
+    from mlx_lm_patches.mechanisms.mtp.heads import TREE_KEY
+
+    model = args[1] if len(args) > 1 else kwargs["model"]
+    head = model.pop(TREE_KEY, None)  # the recipe is measured on the backbone alone
+    try:
+        predicate = wrapped(*args, **kwargs)
+        if head is None:
+            return predicate
+        first = model.layers[0]
+        found = next((name for name, module in model.named_modules() if module is first), "layers.0")
+        layers_prefix = found.rsplit(".", 1)[0]
+        n_layers = len(model.layers)
+    finally:
+        if head is not None:
+            model[TREE_KEY] = head
+
+    def mixed_with_head(path, module, *rest):
+        if path.startswith("mtp."):
+            path = _head_path(path, layers_prefix, n_layers)
+        return predicate(path, module, *rest)
+
+    return mixed_with_head
+
+
+def _save_model(wrapped, instance, args, kwargs):
+    from mlx_lm_patches.mechanisms.mtp.heads import out_of_tree, save_sidecar
+
+    save_path = args[0] if args else kwargs["save_path"]
+    model = args[1] if len(args) > 1 else kwargs["model"]
+    head = out_of_tree(model)
+    result = wrapped(*args, **kwargs)
+    if head is not None:
+        save_sidecar(save_path, head)
+    return result
+
+
+def probe():
+    import sys
+
+    try:
+        from mlx_lm.models import qwen3_next
+    except ImportError:
+        return NotNeeded("qwen3_next (mlx_lm.models.qwen3_next) missing in this mlx-lm: not needed")
+    if hasattr(qwen3_next.Model, "mtp_forward") or hasattr(qwen3_next.Model, "mtp"):
+        return None  # mlx-lm keeps the head in the parameter tree itself: saved with it
+    save_model = getattr(sys.modules.get(UTILS), "save_model", None)
+    if save_model is None:
+        return NotNeeded("save_model missing in this mlx-lm's mlx_lm.utils: not needed")
+    return "save_model (mlx_lm.utils) writes model.parameters() only; an MTP head kept at load is not saved"
+
+
+def apply(p):
+    # Anchored on mlx_lm.convert, not mlx_lm.utils: mlx_lm/__init__ imports convert first, which
+    # imports utils half-way through its own import (before ``convert`` is defined); any import
+    # of mlx-lm runs mlx_lm/__init__, so save_model is patched for fuse and direct calls too.
+    p.wrap(f"{CONVERT}:convert", _writing)
+    p.wrap(f"{CONVERT}:load", _load_for_writing)
+    p.wrap(f"{CONVERT}:mixed_quant_predicate_builder", _mixed_recipe)
+    p.wrap(f"{UTILS}:save_model", _save_model)
+    p.wrap(f"{FUSE}:main", _writing)  # deferred until mlx_lm.fuse is imported
+    p.wrap(f"{FUSE}:load", _load_for_writing)
+
+
+def scenario():
+    """An HF-layout Qwen3-Next checkpoint with an MTP head, converted with ``mlx_lm.convert``
+    (4-bit and unquantized): the converted folder carries the head, which loads back and
+    drafts; the weight files stock reads carry no ``mtp.*`` key."""
+    import contextlib
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    from mlx_lm_patches.demos.mtp_checkpoints import write_mtp_checkpoint
+    from mlx_lm_patches.demos.scenarios import greedy, prompt_tokens, speculative_greedy
+
+    from mlx_lm import load
+    from mlx_lm.convert import convert
+
+    details = []
+    with tempfile.TemporaryDirectory() as tmp:
+        written = write_mtp_checkpoint(tmp, "qwen3_next", form="hf", dtype="float32")
+        for quantize in (False, True):
+            out = Path(tmp) / f"converted-{'q4' if quantize else 'fp'}"
+            what = f"mlx_lm.convert{' -q' if quantize else ''}"
+            try:
+                with contextlib.redirect_stdout(sys.stderr):  # mlx-lm prints progress
+                    convert(str(written.folder), mlx_path=str(out), quantize=quantize, dtype="float32")
+            except Exception as exc:
+                return Outcome.failure(f"{what} of a qwen3_next HF checkpoint with an MTP head", exc)
+            import mlx.core as mx
+
+            stock_keys = [k for f in out.glob("model*.safetensors") for k in mx.load(str(f)) if "mtp." in k]
+            if stock_keys:
+                return Outcome.failure(f"{what}: mtp.* tensors in the files stock mlx-lm reads: {stock_keys[:3]}")
+            if not (out / "mtp.safetensors").exists():
+                return Outcome.failure(f"{what} wrote no MTP head (no mtp.safetensors; files: "
+                                       f"{sorted(p.name for p in out.iterdir() if p.suffix == '.safetensors')})")
+            model = load(str(out))[0]
+            if getattr(model, "mtp", None) is None:
+                return Outcome.failure(f"{what}: the converted head does not load: "
+                                       f"{getattr(model, 'mtp_status', 'no mtp_status')}")
+            prompt = prompt_tokens(10)
+            try:
+                problem = greedy(model, prompt).compare(speculative_greedy(model, model.make_draft_model(), prompt))
+            except TypeError as exc:
+                if "gather_qmm" not in str(exc) or "global_scale" not in str(exc):
+                    raise
+                details.append(f"{what}: head in mtp.safetensors, loaded back ({model.mtp_status}); not run: "
+                               "stock mlx-lm's quantized MoE layers need mx.gather_qmm(global_scale=), "
+                               "which this mlx lacks")
+                continue
+            if problem:
+                return Outcome.failure(f"{what}: MTP speculation differs from greedy: {problem}")
+            details.append(f"{what}: head in mtp.safetensors, loaded back ({model.mtp_status}); "
+                           "MTP speculation equals greedy")
+    return Outcome(True, "mlx_lm.convert keeps the MTP head (sidecar), stock files unchanged", details)
