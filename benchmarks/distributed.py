@@ -42,15 +42,11 @@ def main():
     import mlx_lm_patches
 
     mlx_lm_patches.apply()
-    from mlx_lm import load
 
-    from mlx_lm_patches.demos.model_folder import write_model_folder
-    from mlx_lm_patches.demos.tiny_models import build_tiny_model, tiny_config
     from mlx_lm_patches.engine import env as ours
     from mlx_lm_patches.engine import versions
-    from support.chat_reference import chat_reference
-    from support.server import ServerExited, serve
-    from support.server_load import run_load, workload
+    from support.server import serve
+    from support.server_load import load_rounds, tiny_workload
 
     env = {k: v for k, v in os.environ.items() if k not in ours.ALL_VARIABLES and k != "PYTHONPATH"}
     env["HF_HUB_OFFLINE"] = "1"
@@ -59,60 +55,16 @@ def main():
              "2 ranks": dict(ranks=2, extra=("--pipeline",) if args.pipeline else ())}
 
     with tempfile.TemporaryDirectory(prefix="distributed-bench-") as tmp:
-        folder = write_model_folder(os.path.join(tmp, "model"), build_tiny_model(args.model_type, seed=1),
-                                    tiny_config(args.model_type))
-        model, tokenizer = load(str(folder))
-        memo = {}
-
-        def reference(messages):
-            key = json.dumps(messages)
-            if key not in memo:
-                memo[key] = chat_reference(model, tokenizer, messages, args.max_tokens)
-            return memo[key]
-
-        jobs = workload(args.requests, lambda m: reference(m).text, seed=0)
-        for messages in jobs:
-            reference(messages)
+        folder, reference, jobs, distinct = tiny_workload(tmp, args.model_type, args.requests, args.max_tokens)
         print(f"mlx-lm {versions.mlx_lm().describe()}, mlx {versions.mlx().describe()}, {args.model_type} "
               f"(tiny, CPU, {os.cpu_count()} cores), 2 ranks: {layout} parallel, {args.requests} requests "
-              f"({len(memo)} distinct) at concurrency {args.concurrency}, max_tokens {args.max_tokens}",
+              f"({distinct} distinct) at concurrency {args.concurrency}, max_tokens {args.max_tokens}",
               flush=True)
 
-        best, broken = {}, {}
-        for round_ in range(args.rounds):
-            for mode, how in modes.items():
-                if mode in broken:
-                    continue
-                try:
-                    with serve(folder, *how["extra"], ranks=how["ranks"], env=env, ready_timeout=180) as server:
-                        warm = run_load(server, jobs[:args.concurrency], args.concurrency, args.max_tokens,
-                                        timeout=args.timeout)
-                        if warm.errors:
-                            broken[mode] = f"warm-up failed: {warm.errors[0].error}"
-                            continue
-                        result = run_load(server, jobs, args.concurrency, args.max_tokens,
-                                          timeout=args.timeout, max_errors=args.concurrency)
-                except ServerExited as exc:
-                    broken[mode] = f"server did not start: {str(exc).splitlines()[0]}"
-                    continue
-                wrong = sum(1 for a in result.answers if a.error is None and
-                            (a.text, a.finish_reason) != (reference(jobs[a.index]).text,
-                                                          reference(jobs[a.index]).finish_reason))
-                row = dict(result.summary(), wrong=wrong, round=round_,
-                           first_error=result.errors[0].error[:200] if result.errors else None)
-                print(f"  round {round_} {mode:>9}: {row}", flush=True)
-                if mode not in best or row["tokens_per_second"] > best[mode]["tokens_per_second"]:
-                    best[mode] = row
-
-    print()
-    print(f"{'mode':>9} {'errors':>6} {'lost':>4} {'wrong':>5} {'tok/s':>8} {'p50 s':>7} {'p95 s':>7}")
-    for mode in modes:
-        if mode in broken:
-            print(f"{mode:>9}  does not work: {broken[mode]}")
-            continue
-        row = best[mode]
-        print(f"{mode:>9} {row['errors']:>6} {row['lost']:>4} {row['wrong']:>5} {row['tokens_per_second']:>8.1f} "
-              f"{row['p50_s']:>7.3f} {row['p95_s']:>7.3f}")
+        best, broken = load_rounds(
+            modes, lambda mode: serve(folder, *modes[mode]["extra"], ranks=modes[mode]["ranks"],
+                                      env=env, ready_timeout=180),
+            jobs, reference, args.rounds, args.concurrency, args.max_tokens, args.timeout)
     one, two = best.get("1 process"), best.get("2 ranks")
     if one and two:
         print(f"2 ranks / 1 process: throughput {two['tokens_per_second'] / one['tokens_per_second']:.2f}x, "

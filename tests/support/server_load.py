@@ -177,3 +177,78 @@ def run_load(server, jobs: Sequence[list], concurrency: int = 8, max_tokens: int
         answers = list(pool.map(one, range(len(jobs))))
     seconds = time.perf_counter() - started
     return LoadResult(answers, seconds, len(jobs), concurrency, [a for a in answers if a.error])
+
+
+def load_rounds(modes, start, jobs, reference, rounds: int, concurrency: int, max_tokens: int,
+                timeout: float, extra=None, log=print):
+    """What the load benchmarks share: for each round and each mode, ``start(mode)`` (a context
+    manager giving a running server), a warm-up of ``concurrency`` requests, then ``jobs``; each
+    answer checked against ``reference(messages)`` (text and finish reason). Returns
+    ``(best row per mode by throughput, {mode: why it does not work})``."""
+    from support.server import ServerExited
+
+    best, broken = {}, {}
+    width = max(len(m) for m in modes)
+    for round_ in range(rounds):
+        for mode in modes:
+            if mode in broken:
+                continue
+            try:
+                with start(mode) as server:
+                    warm = run_load(server, jobs[:concurrency], concurrency, max_tokens, extra=extra, timeout=timeout)
+                    if warm.errors:
+                        broken[mode] = f"warm-up failed: {warm.errors[0].error}"
+                        continue
+                    result = run_load(server, jobs, concurrency, max_tokens, extra=extra, timeout=timeout,
+                                      max_errors=concurrency)
+            except ServerExited as exc:
+                broken[mode] = f"server did not start: {str(exc).splitlines()[0]}"
+                continue
+            wrong = sum(1 for a in result.answers if a.error is None and
+                        (a.text, a.finish_reason) != (reference(jobs[a.index]).text,
+                                                      reference(jobs[a.index]).finish_reason))
+            row = dict(result.summary(), wrong=wrong, round=round_,
+                       first_error=result.errors[0].error[:200] if result.errors else None)
+            log(f"  round {round_} {mode:>{width}}: {row}", flush=True)
+            if mode not in best or row["tokens_per_second"] > best[mode]["tokens_per_second"]:
+                best[mode] = row
+    log()
+    log(f"{'mode':>{width}} {'errors':>6} {'lost':>4} {'wrong':>5} {'tok/s':>8} {'p50 s':>7} {'p95 s':>7}")
+    for mode in modes:
+        if mode in broken:
+            log(f"{mode:>{width}}  does not work: {broken[mode]}")
+            continue
+        row = best[mode]
+        log(f"{mode:>{width}} {row['errors']:>6} {row['lost']:>4} {row['wrong']:>5} {row['tokens_per_second']:>8.1f} "
+            f"{row['p50_s']:>7.3f} {row['p95_s']:>7.3f}")
+    return best, broken
+
+
+def tiny_workload(folder_root, model_type: str, requests: int, max_tokens: int):
+    """A tiny random-weight ``model_type`` written under ``folder_root`` and a workload of
+    ``requests`` chats for it with their cold references: ``(folder, reference, jobs, distinct)``,
+    ``reference(messages)`` memoised (greedy, one sequence, cold prefill, in this process)."""
+    import json
+    import os
+
+    from mlx_lm import load
+
+    from mlx_lm_patches.demos.model_folder import write_model_folder
+    from mlx_lm_patches.demos.tiny_models import build_tiny_model, tiny_config
+    from support.chat_reference import chat_reference
+
+    folder = write_model_folder(os.path.join(folder_root, "model"), build_tiny_model(model_type, seed=1),
+                                tiny_config(model_type))
+    model, tokenizer = load(str(folder))
+    memo = {}
+
+    def reference(messages):
+        key = json.dumps(messages)
+        if key not in memo:
+            memo[key] = chat_reference(model, tokenizer, messages, max_tokens)
+        return memo[key]
+
+    jobs = workload(requests, lambda m: reference(m).text, seed=0)
+    for messages in jobs:
+        reference(messages)
+    return folder, reference, jobs, len(memo)
