@@ -67,16 +67,6 @@ SERVER = "mlx_lm.server"
 
 # -- keeping states while prefilling ----------------------------------------------------------
 
-# Model modules with recurrent layers (across the supported releases): their ``Model.__call__``
-# records states wherever it is called from (mechanisms/prefix_reuse/forward.py).
-RECURRENT_FAMILIES = (
-    "baichuan_m1", "bailing_hybrid", "bailing_moe_linear", "bailing_moe_v3", "falcon_h1", "gear",
-    "granitemoehybrid", "jamba", "kimi_k3", "kimi_linear", "lfm2", "lfm2_moe", "longcat_flash_ngram",
-    "mamba", "mamba2", "nemotron_h", "olmo_hybrid", "plamo2", "qwen3_5", "qwen3_next", "recurrent_gemma",
-    "rwkv7",
-)
-
-
 def _prefill_cut(wrapped, instance, args, kwargs):
     """``generate_step`` / ``speculative_generate_step``: while a prompt-cache store exists,
     the prefill (everything before the first token comes out) is cut at powers of two."""
@@ -276,8 +266,10 @@ def apply(p):
     p.wrap(f"{store}:LRUPromptCache.insert_cache", _insert)
     from mlx_lm_patches.mechanisms.prefix_reuse import recorded_forward
 
-    for family in RECURRENT_FAMILIES:
-        p.wrap(f"mlx_lm.models.{family}:Model.__call__", recorded_forward)
+    # every model family with recurrent layers is a declared target (compat_matrix.yaml)
+    for target in p.declared:
+        if target.endswith(":Model.__call__"):
+            p.wrap(target, recorded_forward)
     p.wrap(f"{GENERATE}:generate_step", _prefill_cut)
     p.wrap(f"{GENERATE}:speculative_generate_step", _prefill_cut)
     if hasattr(p.module(GENERATE), "PromptProcessingBatch"):
