@@ -8,6 +8,9 @@ The last line is the plain total, ``matrix: N passed, N failed``.
 
 What keeps a full run inside CI's budget (2 cores), without dropping a cell:
 
+* a row's venv is installed in the background while the row before it (same worker) runs its
+  tests (``Prefetch``): installs are mostly downloads and copies, tests are CPU.
+
 * mlx's CPU backend compiles kernels once and caches them under ``$TMPDIR/mlx/<mlx version>``.
   Sessions of one mlx version share one such directory, kept across rows and runs
   (``~/.cache/mlx-lm-patches/mlx-tmp/<mlx version>``); two sessions writing the same cache at
@@ -43,6 +46,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -94,29 +98,83 @@ def counts(text: str, plain: bool = False):
     return get("passed"), get("failed") + get("errors?") + get("xpassed")
 
 
-def session(row, wheel: Path, reuse: bool, pytest_args) -> dict:
+def _env() -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLX_LM_PATCHES") and k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env.update(UV_PYTHON_DOWNLOADS="never", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    return env
+
+
+def _step(out, argv, env, **kw) -> int:
+    out.write(f"$ {' '.join(map(str, argv))}\n")
+    out.flush()
+    return subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, env=env, **kw).returncode
+
+
+def prepare(row, wheel: Path, reuse: bool) -> tuple:
+    """The row's venv with everything installed: ``(return code, seconds)``. Mostly downloads
+    and file copies, so it runs ahead, beside the tests of another row (see ``Prefetch``)."""
+    venv = WORK / "venvs" / row["name"]
+    log = WORK / "logs" / f"{row['name']}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    started, env = time.monotonic(), _env()
+    with open(log, "w") as out:
+        python = find_python(row["python"])
+        rc = 0
+        if not (reuse and (venv / "bin" / "python").exists()):
+            shutil.rmtree(venv, ignore_errors=True)
+            rc = _step(out, ["uv", "venv", "-q", "-p", python, str(venv)], env)
+        if rc == 0:
+            rc = _step(out, ["uv", "pip", "install", "-q", "--compile-bytecode", "--python", str(venv / "bin" / "python"),
+                             "--reinstall-package", "mlx-lm-patches", f"{wheel}[cpu,test]", f"mlx-lm=={row['mlx_lm']}",
+                             f"mlx=={row['mlx']}", f"mlx-cpu=={row['mlx']}",
+                             *(f"{name}=={version}" for name, version in row["packages"])], env)
+    return rc, time.monotonic() - started
+
+
+class Prefetch:
+    """Prepares rows' venvs in the background, at most one row ahead of each worker: while a
+    worker tests a row, the next row it will take is installed."""
+
+    def __init__(self, wheel: Path, reuse: bool, groups):
+        self.wheel, self.reuse, self.groups = wheel, reuse, groups
+        self.pool = ThreadPoolExecutor(max_workers=2)
+        self.lock = threading.Lock()
+        self.started_groups = 0
+        self.futures = {}
+
+    def get(self, row):
+        with self.lock:
+            if row["name"] not in self.futures:
+                self.futures[row["name"]] = self.pool.submit(prepare, row, self.wheel, self.reuse)
+            future = self.futures[row["name"]]
+        return future.result()
+
+    def ahead(self, group, index):
+        """A worker has started ``group[index]``: prepare what it takes next (the next row of
+        its group, else the first row of the next group no worker has started yet)."""
+        with self.lock:
+            if index + 1 < len(group):
+                row = group[index + 1]
+            else:
+                pending = [g for g in self.groups if g[0]["name"] not in self.futures]
+                if not pending:
+                    return
+                row = pending[0][0]
+            if row["name"] not in self.futures:
+                self.futures[row["name"]] = self.pool.submit(prepare, row, self.wheel, self.reuse)
+
+
+def session(row, prefetch: Prefetch, group, index, pytest_args) -> dict:
     name = row["name"]
     venv = WORK / "venvs" / name
     log = WORK / "logs" / f"{name}.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MLX_LM_PATCHES") and k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    env.update(UV_PYTHON_DOWNLOADS="never", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env = _env()
+    waited = time.monotonic()
+    rc, install_seconds = prefetch.get(row)
     started = time.monotonic()
-    with open(log, "w") as out:
-        def step(argv, **kw):
-            out.write(f"$ {' '.join(map(str, argv))}\n")
-            out.flush()
-            return subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, env=kw.pop("env", env), **kw).returncode
-
-        python = find_python(row["python"])
-        rc, tested = 0, False
-        if not (reuse and (venv / "bin" / "python").exists()):
-            shutil.rmtree(venv, ignore_errors=True)
-            rc = step(["uv", "venv", "-q", "-p", python, str(venv)])
-        if rc == 0:
-            rc = step(["uv", "pip", "install", "-q", "--compile-bytecode", "--python", str(venv / "bin" / "python"), "--reinstall-package", "mlx-lm-patches",
-                       f"{wheel}[cpu,test]", f"mlx-lm=={row['mlx_lm']}", f"mlx=={row['mlx']}", f"mlx-cpu=={row['mlx']}",
-                       *(f"{name}=={version}" for name, version in row["packages"])])
+    prefetch.ahead(group, index)
+    tested = False
+    with open(log, "a") as out:
         if rc == 0:
             # the compiled-kernel cache of this mlx version (see the module docstring); only
             # sessions of one group (one mlx version, run one after another) use it
@@ -129,8 +187,8 @@ def session(row, wheel: Path, reuse: bool, pytest_args) -> dict:
             if row["twin_of"] and not row["python_only"] and not pytest_args:
                 selection += TWIN_TESTS + [f for name, _ in row["packages"] for f in PACKAGE_TESTS.get(name, [])]
             tested = True
-            rc = step([str(venv / "bin" / "pytest"), "-q", "-p", "no:cacheprovider", "-rfE", *selection, *pytest_args],
-                      cwd=str(REPO), env=test_env)
+            rc = _step(out, [str(venv / "bin" / "pytest"), "-q", "-p", "no:cacheprovider", "-rfE", *selection, *pytest_args],
+                       test_env, cwd=str(REPO))
     ours = counts(log.read_text())
     upstream = (0, 0)
     if tested and row["upstream_tests"] and not pytest_args:
@@ -146,7 +204,8 @@ def session(row, wheel: Path, reuse: bool, pytest_args) -> dict:
     passed, failed = ours[0] + upstream[0], ours[1] + upstream[1]
     if rc != 0 and failed == 0:
         failed = 1  # install failure or a crash before pytest's summary
-    return dict(name=name, rc=rc, passed=passed, failed=failed, seconds=time.monotonic() - started, log=log)
+    return dict(name=name, rc=rc, passed=passed, failed=failed, seconds=time.monotonic() - started,
+                install=install_seconds, waited=started - waited, log=log)
 
 
 def release(version: str) -> tuple:
@@ -234,19 +293,22 @@ def main() -> int:
     results = []
     started = time.monotonic()
 
+    groups = groups_by_mlx(rows)
+    prefetch = Prefetch(wheel, args.reuse, groups)
+
     def run_group(group):
         out = []
-        for row in group:
-            r = session(row, wheel, args.reuse, args.pytest_args)
+        for index, row in enumerate(group):
+            r = session(row, prefetch, group, index, args.pytest_args)
             mark = "ok  " if r["rc"] == 0 else "FAIL"
             print(f"[{mark}] {r['name']}: {r['passed']} passed, {r['failed']} failed "
-                  f"({r['seconds']:.0f}s, at {time.monotonic() - started:.0f}s, log {r['log'].relative_to(REPO)})",
-                  flush=True)
+                  f"({r['seconds']:.0f}s after {r['waited']:.0f}s waiting for its install of {r['install']:.0f}s, "
+                  f"at {time.monotonic() - started:.0f}s, log {r['log'].relative_to(REPO)})", flush=True)
             out.append(r)
         return out
 
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        for future in [pool.submit(run_group, group) for group in groups_by_mlx(rows)]:
+        for future in [pool.submit(run_group, group) for group in groups]:
             results.extend(future.result())
     bad = [r for r in results if r["rc"] != 0]
     for r in bad:

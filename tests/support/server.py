@@ -28,6 +28,7 @@ bootstrap makes ``-m mlx_lm.X`` run the imported module's ``main()``); pass
 from __future__ import annotations
 
 import contextlib
+import functools
 import http.client
 import json
 import os
@@ -71,9 +72,11 @@ def free_port(host: str = HOST) -> int:
         return sock.getsockname()[1]
 
 
+@functools.lru_cache(maxsize=None)
 def server_flags(python: Optional[str] = None) -> frozenset:
     """The command-line flags ``mlx_lm.server`` of ``python``'s environment accepts (from its
-    ``--help``): ``--draft-model``, ``--prefill-step-size``, ... differ between releases."""
+    ``--help``, asked once per interpreter): ``--draft-model``, ``--prefill-step-size``, ...
+    differ between releases."""
     proc = subprocess.run([python or sys.executable, "-m", "mlx_lm.server", "--help"],
                           capture_output=True, text=True, timeout=120, cwd="/")
     return frozenset(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", proc.stdout))
