@@ -18,14 +18,15 @@ A failure on one rank must reach the client within a bounded time, not hang it. 
 with one (the servers run a test-only entry, ``HOOK``, that fails on rank 1 for a marked request
 and serves every other one unchanged): on the pipeline server rank 1 dies (the client gets an
 error, ``mlx.launch`` ends rank 0, every process exits); on the tensor server rank 1 alone raises
-inside the request (stock mlx-lm and the package: rank 0 waits forever, a strict xfail bounded by
-the client's timeout).
+inside the request: with ``distributed-request-agreement`` every rank refuses it (the client gets
+the error, the next request is answered exactly); without it (a third launch) rank 0 waits
+forever, a strict xfail bounded by the client's timeout.
 
 CI time: the suite runs on every mlx-lm release of the matrix on 2 cores, so this module runs on
 the newest tested release only (``tested_versions`` in compat_matrix.yaml; 0.32 is the first to
-pipeline hybrid families, 0.31.3 could run tensor-parallel qwen3_5). Two launches in all, each
+pipeline hybrid families, 0.31.3 could run tensor-parallel qwen3_5). Three launches in all, each
 bounded (readiness, client and stop timeouts), their whole process groups killed when the
-fixture ends.
+fixture ends; a third, short one shows the stock hang.
 """
 
 import concurrent.futures
@@ -36,7 +37,7 @@ import time
 
 import pytest
 
-from conftest import clean_env
+from conftest import clean_env, xfail_if_affected
 from mlx_lm_patches.demos.model_folder import write_model_folder
 from mlx_lm_patches.demos.tiny_models import build_tiny_model, tiny_config
 from support.chat_reference import chat_prompt, chat_reference
@@ -203,11 +204,13 @@ MARKER = "<<fail on rank 1: {}>>"
 
 HOOK = textwrap.dedent('''\
     """Test-only entry: mlx_lm.server, where rank 1 fails on a request whose last message is
-    "<<fail on rank 1: exit>>" (its process dies) or "<<fail on rank 1: raise>>" (it alone
-    raises inside the request). Every other request is served unchanged."""
+    "<<fail on rank 1: exit>>" (its process dies while tokenizing it) or "<<fail on rank 1:
+    raise>>" (its chat template raises: as a template that differs between hosts would). Every
+    other request is served unchanged."""
     import os
 
     import mlx_lm.server as server
+    import mlx_lm.tokenizer_utils as tokenizer_utils
 
     if os.environ.get("MLX_RANK") == "1":
         tokenize = server.ResponseGenerator._tokenize
@@ -216,11 +219,17 @@ HOOK = textwrap.dedent('''\
             last = (getattr(request, "messages", None) or [{}])[-1].get("content")
             if last == "<<fail on rank 1: exit>>":
                 os._exit(3)
-            if last == "<<fail on rank 1: raise>>":
-                raise RuntimeError("failure injected on rank 1")
             return tokenize(self, tokenizer, request, args)
 
         server.ResponseGenerator._tokenize = _tokenize
+        template = tokenizer_utils.TokenizerWrapper.apply_chat_template
+
+        def apply_chat_template(self, messages, *args, **kwargs):
+            if messages and messages[-1].get("content") == "<<fail on rank 1: raise>>":
+                raise RuntimeError("failure injected on rank 1 (its chat template)")
+            return template(self, messages, *args, **kwargs)
+
+        tokenizer_utils.TokenizerWrapper.apply_chat_template = apply_chat_template
     server.main()
 ''')
 
@@ -237,8 +246,14 @@ def _fail(server, mode):
     seconds = time.monotonic() - started
     while mode == "exit" and server.group_alive() and time.monotonic() - started < seconds + EXIT_TIMEOUT:
         time.sleep(0.2)
+    after = None
+    if mode == "raise":  # the ranks must still be in step: the next request is answered
+        try:
+            after = _ask(server.client(timeout=HANG_TIMEOUT), CONCURRENT[0])[0]
+        except Exception as error:
+            after = error
     return dict(mode=mode, outcome=outcome, seconds=seconds, exited=not server.group_alive(),
-                log=server.log())
+                log=server.log(), after=after)
 
 
 def _failure(served, mode):
@@ -265,13 +280,40 @@ def test_a_rank_dying_mid_request_fails_the_request_and_every_process_exits(serv
 
 
 @_ending_with("raise")
-@pytest.mark.xfail(strict=True, reason="mlx-lm 0.32.x: an exception on one rank only is caught per "
-                   "request on that rank, which goes on to the next collective while the other "
-                   "ranks are still in the request: rank 0 waits forever (not fixed here)")
-def test_a_rank_raising_alone_fails_the_request_in_bounded_time(served):
+def test_a_rank_raising_alone_fails_the_request_on_every_rank(served, reference):
+    """``distributed-request-agreement``: rank 1's tokenization fails, so every rank refuses the
+    request; the client gets the error at once, and the next request is answered exactly."""
     import openai
 
     failure = _failure(served, "raise")
     outcome = failure["outcome"]
+    assert isinstance(outcome, openai.APIStatusError), f"answered {outcome!r}"
+    assert "failed on rank(s) 1 of 2" in outcome.response.text, outcome.response.text
+    assert failure["after"] == reference(served["folder"], CONCURRENT[0]).text, failure["after"]
+
+
+@pytest.fixture(scope="module")
+def stock_raising(tmp_path_factory, hook):
+    """The tensor layout without ``distributed-request-agreement`` (every other patch on), sent
+    only the request that raises on rank 1."""
+    model_type, args = LAYOUTS["tensor-qwen3_5"]
+    reason = _layout_skip(model_type, args)
+    if reason:
+        pytest.skip(reason)
+    folder = _folder(tmp_path_factory, model_type)
+    with serve(folder, *args, *_prefill_args(), ranks=RANKS, ready_timeout=READY_TIMEOUT, entry=(str(hook),),
+               env=clean_env(MLX_LM_PATCHES_DISABLE="distributed-request-agreement")) as server:
+        yield _fail(server, "raise")
+
+
+@pytest.mark.parametrize("pid", [pytest.param("distributed-request-agreement",
+                                              marks=xfail_if_affected("distributed-request-agreement"))])
+def test_stock_a_rank_raising_alone_fails_the_request_in_bounded_time(pid, stock_raising):
+    """Stock mlx-lm: the rank that raised answers and moves on to the next request's share,
+    while rank 0 waits in the model's collective for it: no answer, ever (bounded here by the
+    client's timeout). A strict xfail where compat_matrix.yaml says the release is affected."""
+    import openai
+
+    outcome = stock_raising["outcome"]
     assert isinstance(outcome, Exception), f"answered {outcome!r}"
-    assert not isinstance(outcome, openai.APITimeoutError), f"no answer after {failure['seconds']:.0f}s"
+    assert not isinstance(outcome, openai.APITimeoutError), f"no answer after {stock_raising['seconds']:.0f}s"
