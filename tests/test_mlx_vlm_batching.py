@@ -24,10 +24,19 @@ POSITIONS = {"qwen3_5": "mlx-vlm-qwen3-5-batch-positions", "qwen3_vl": "mlx-vlm-
 # qwen3_5_moe's language model inherits Qwen3.5's (positions, attention, gated-delta layers)
 
 
+def _skip_unless_driven(model_type):
+    """Skip where the installed mlx-vlm lacks ``model_type`` or its batching API is not the one
+    these drivers use (mlx-vlm >= 0.5: rows bring their own embeddings; not covered yet)."""
+    if not vlm.available(model_type):
+        pytest.skip(f"this mlx-vlm has no {model_type}")
+    why = vlm.unsupported_api(model_type)
+    if why:
+        pytest.skip(why)
+
+
 @pytest.fixture(scope="module", params=vlm.MODEL_TYPES)
 def model(request):
-    if not vlm.available(request.param):
-        pytest.skip(f"this mlx-vlm has no {request.param}")
+    _skip_unless_driven(request.param)
     return request.param, vlm.build(request.param)
 
 
@@ -59,8 +68,7 @@ def _stock_cases():
 
 @pytest.mark.parametrize("model_type,path,reverted", list(_stock_cases()), indirect=["reverted"])
 def test_unpatched_batching_fails_where_affected(model_type, path, reverted):
-    if not vlm.available(model_type):
-        pytest.skip(f"this mlx-vlm has no {model_type}")
+    _skip_unless_driven(model_type)
     built = vlm.build(model_type)
     assert vlm.batched_problem(built, model_type, PATHS[path]) is None
 

@@ -23,9 +23,12 @@ What keeps a full run inside CI's budget (2 cores), without dropping a cell:
   over HTTP, distributed launches, import/apply/revert orders) depend on the mlx-lm release, not
   on mlx: they run on the release's own row (its release-time mlx) and are deselected on a row
   that only pairs the same release with a newer mlx; that row runs everything else in-process.
-* A row that only adds further ``packages`` to another row's mlx-lm and mlx (its twin) runs the
-  tests of those packages, the matrix cells and the CLI (``PACKAGE_TESTS``): everything else
-  would repeat its twin's run exactly.
+* A row with further ``packages`` runs the tests of those packages, the matrix cells and the CLI
+  (``PACKAGE_TESTS``, ``TWIN_TESTS``): everything else is its mlx-lm release's, proven on the
+  release's own row.
+* Packages whose default install drags in what no test uses are installed without their
+  dependencies, plus the ones their tested code imports (``WITHOUT_DEPENDENCIES``): a default
+  vllm-mlx install pulls torch with CUDA wheels (~2.5 GB) through torchvision.
 
 After pytest, one row per mlx-lm release (its release-time mlx, no extra packages) also runs
 mlx-lm's own offline tests from that release's sdist, stock and patched, and fails on any test
@@ -56,7 +59,9 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 WORK = REPO / ".matrix"
 # tests that depend on a further distribution of a row (see mark_package_twins)
-PACKAGE_TESTS = {"mlx-vlm": ["tests/test_mlx_vlm_batching.py"]}
+PACKAGE_TESTS = {"mlx-vlm": ["tests/test_mlx_vlm_batching.py"], "vllm-mlx": ["tests/test_vllm_mlx.py"]}
+# package -> what its engine and server import beyond mlx-lm's and mlx-vlm's dependencies
+WITHOUT_DEPENDENCIES = {"vllm-mlx": ["jsonschema"]}
 TWIN_TESTS = ["tests/test_matrix_cells.py", "tests/test_cli.py"]
 KERNEL_CACHES = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "mlx-lm-patches" / "mlx-tmp"
 
@@ -123,11 +128,15 @@ def prepare(row, wheel: Path, reuse: bool) -> tuple:
         if not (reuse and (venv / "bin" / "python").exists()):
             shutil.rmtree(venv, ignore_errors=True)
             rc = _step(out, ["uv", "venv", "-q", "-p", python, str(venv)], env)
+        install = ["uv", "pip", "install", "-q", "--compile-bytecode", "--python", str(venv / "bin" / "python")]
+        bare = [(name, version) for name, version in row["packages"] if name in WITHOUT_DEPENDENCIES]
         if rc == 0:
-            rc = _step(out, ["uv", "pip", "install", "-q", "--compile-bytecode", "--python", str(venv / "bin" / "python"),
-                             "--reinstall-package", "mlx-lm-patches", f"{wheel}[cpu,test]", f"mlx-lm=={row['mlx_lm']}",
-                             f"mlx=={row['mlx']}", f"mlx-cpu=={row['mlx']}",
-                             *(f"{name}=={version}" for name, version in row["packages"])], env)
+            rc = _step(out, [*install, "--reinstall-package", "mlx-lm-patches", f"{wheel}[cpu,test]",
+                             f"mlx-lm=={row['mlx_lm']}", f"mlx=={row['mlx']}", f"mlx-cpu=={row['mlx']}",
+                             *(f"{name}=={version}" for name, version in row["packages"] if (name, version) not in bare),
+                             *(dep for name, _ in bare for dep in WITHOUT_DEPENDENCIES[name])], env)
+        if rc == 0 and bare:
+            rc = _step(out, [*install, "--no-deps", *(f"{name}=={version}" for name, version in bare)], env)
     return rc, time.monotonic() - started
 
 
@@ -184,7 +193,7 @@ def session(row, prefetch: Prefetch, group, index, pytest_args) -> dict:
                             VIRTUAL_ENV=str(venv), PATH=f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}")
             skip = ([] if row["python_only"] else ["python_only"]) + (["release_only"] if row["mlx_twin"] else [])
             selection = ["-m", " and ".join(f"not {marker}" for marker in skip)] if skip else []
-            if row["twin_of"] and not row["python_only"] and not pytest_args:
+            if row["packages"] and not row["python_only"] and not pytest_args:
                 selection += TWIN_TESTS + [f for name, _ in row["packages"] for f in PACKAGE_TESTS.get(name, [])]
             tested = True
             rc = _step(out, [str(venv / "bin" / "pytest"), "-q", "-p", "no:cacheprovider", "-rfE", *selection, *pytest_args],
@@ -223,15 +232,6 @@ def mark_python_only_rows(rows) -> None:
             best[row["python"]] = (rank, row)
     for row in rows:
         row["python_only"] = best[row["python"]][1] is row
-
-
-def mark_package_twins(rows) -> None:
-    """``twin_of``: for a row with further packages, the row without them on the same mlx-lm and
-    mlx (if there is one)."""
-    plain = {(row["mlx_lm"], row["mlx"]): row for row in rows if not row["packages"]}
-    for row in rows:
-        twin = plain.get((row["mlx_lm"], row["mlx"])) if row["packages"] else None
-        row["twin_of"] = twin["name"] if twin else None
 
 
 def mark_upstream_rows(rows) -> None:
@@ -283,7 +283,6 @@ def main() -> int:
     mark_python_only_rows(rows)
     mark_upstream_rows(rows)
     mark_mlx_twins(rows)
-    mark_package_twins(rows)
     if args.select:
         rows = [row for row in rows if args.select in row["name"]]
     if not rows:
