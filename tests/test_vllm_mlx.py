@@ -178,3 +178,46 @@ def test_server_concurrent_chats_equal_the_references(model_type, tmp_path_facto
         tail = server.log_tail()
     for chat, ref, text in zip(chats, want, got):
         assert text == ref.text, json.dumps({"chat": chat, "want": ref.text, "got": text, "log": tail})
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])
+def test_enable_mtp_answers_equal_greedy(family, tmp_path_factory):
+    """vllm-mlx's own MTP (``SchedulerConfig(enable_mtp=True)``, its ``--enable-mtp``) on a
+    checkpoint with its head in vllm-mlx's ``model-mtp.safetensors``, with the package installed
+    (``mtp-heads-kept`` keeps that head as ``model.mtp`` too): concurrent requests still equal
+    greedy decoding of each prompt alone. (vllm-mlx 0.6.0 turns its MTP off on mlx-lm 0.31.x,
+    whose ``BatchGenerator`` lacks the ``_step`` it hooks, so the engine decodes without drafts.)"""
+    from mlx_lm import load
+    from vllm_mlx.engine.batched import BatchedEngine
+    from vllm_mlx.scheduler import SchedulerConfig
+
+    from mlx_lm_patches.demos.mtp_checkpoints import write_mtp_checkpoint
+    from support.chat_reference import token_reference
+
+    written = write_mtp_checkpoint(tmp_path_factory.mktemp("mtp"), family, placement="model-mtp",
+                                   dtype="float32", name="model")  # no "qwen3" in the path (see Folder)
+    model, tokenizer = load(str(written.folder))
+    assert model.mtp is not None, model.mtp_status
+    prompts = _prompts()
+    want = [token_reference(model, tokenizer, prompt, MAX_TOKENS) for prompt in prompts]
+
+    async def run():
+        engine = BatchedEngine(str(written.folder), scheduler_config=SchedulerConfig(enable_mtp=True))
+        await engine.start()
+        try:
+            return await asyncio.gather(*(engine.generate(prompt=list(p), max_tokens=MAX_TOKENS, temperature=0.0)
+                                          for p in prompts))
+        finally:
+            await engine.stop()
+
+    module = importlib.import_module("mlx_lm.generate")
+    stream = module.generation_stream
+    try:
+        answers = asyncio.run(run())
+    finally:
+        module.generation_stream = stream
+    for prompt, ref, answer in zip(prompts, want, answers):
+        got = [int(t) for t in answer.tokens]
+        if ref.eos is not None and got[-1:] == [ref.eos]:
+            got = got[:-1]
+        assert got == ref.tokens, (len(prompt), got, ref.tokens, answer.mtp_drafts)
