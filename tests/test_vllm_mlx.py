@@ -77,8 +77,9 @@ def folder(request, tmp_path_factory):
     return Folder(tmp_path_factory.mktemp("family"), request.param)
 
 
-def _engine_answers(path, prompts):
-    """Every prompt (token ids) sent at once to a started ``BatchedEngine``; its outputs.
+def _engine_answers(path, prompts, **engine_options):
+    """Every prompt (token ids) sent at once to a started ``BatchedEngine(path,
+    **engine_options)``; its outputs.
 
     The engine points ``mlx_lm.generate.generation_stream`` at a stream of its worker thread and
     leaves it there when it stops; it is put back afterwards so this thread can generate again."""
@@ -87,7 +88,7 @@ def _engine_answers(path, prompts):
     module = importlib.import_module("mlx_lm.generate")  # (``mlx_lm.generate`` the attribute is a function)
 
     async def run():
-        engine = BatchedEngine(str(path))
+        engine = BatchedEngine(str(path), **engine_options)
         await engine.start()
         try:
             return await asyncio.gather(*(engine.generate(prompt=list(p), max_tokens=MAX_TOKENS, temperature=0.0)
@@ -106,13 +107,17 @@ def _problem(folder, prompts, answers):
     """The first answer whose tokens differ from its prompt's reference, or None."""
     for prompt, answer in zip(prompts, answers):
         ref = folder.reference(prompt)
-        got = [int(t) for t in answer.tokens]
-        if ref.eos is not None and got[-1:] == [ref.eos]:
-            got = got[:-1]
+        got = _generated(answer, ref)
         if got != ref.tokens:
             return (f"{folder.model_type}: prompt of {len(prompt)} tokens batched gave {got}, "
                     f"alone {ref.tokens}")
     return None
+
+
+def _generated(answer, ref):
+    """The engine's tokens without the eos that ended the reference (the reference leaves it out)."""
+    got = [int(t) for t in answer.tokens]
+    return got[:-1] if ref.eos is not None and got[-1:] == [ref.eos] else got
 
 
 def _prompts():
@@ -188,7 +193,6 @@ def test_enable_mtp_answers_equal_greedy(family, tmp_path_factory):
     greedy decoding of each prompt alone. (vllm-mlx 0.6.0 turns its MTP off on mlx-lm 0.31.x,
     whose ``BatchGenerator`` lacks the ``_step`` it hooks, so the engine decodes without drafts.)"""
     from mlx_lm import load
-    from vllm_mlx.engine.batched import BatchedEngine
     from vllm_mlx.scheduler import SchedulerConfig
 
     from mlx_lm_patches.demos.mtp_checkpoints import write_mtp_checkpoint
@@ -201,23 +205,7 @@ def test_enable_mtp_answers_equal_greedy(family, tmp_path_factory):
     prompts = _prompts()
     want = [token_reference(model, tokenizer, prompt, MAX_TOKENS) for prompt in prompts]
 
-    async def run():
-        engine = BatchedEngine(str(written.folder), scheduler_config=SchedulerConfig(enable_mtp=True))
-        await engine.start()
-        try:
-            return await asyncio.gather(*(engine.generate(prompt=list(p), max_tokens=MAX_TOKENS, temperature=0.0)
-                                          for p in prompts))
-        finally:
-            await engine.stop()
-
-    module = importlib.import_module("mlx_lm.generate")
-    stream = module.generation_stream
-    try:
-        answers = asyncio.run(run())
-    finally:
-        module.generation_stream = stream
+    answers = _engine_answers(written.folder, prompts, scheduler_config=SchedulerConfig(enable_mtp=True))
     for prompt, ref, answer in zip(prompts, want, answers):
-        got = [int(t) for t in answer.tokens]
-        if ref.eos is not None and got[-1:] == [ref.eos]:
-            got = got[:-1]
+        got = _generated(answer, ref)
         assert got == ref.tokens, (len(prompt), got, ref.tokens, answer.mtp_drafts)
