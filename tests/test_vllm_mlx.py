@@ -126,8 +126,6 @@ def _prompts():
 
 def test_batched_engine_equals_each_prompt_alone(folder):
     prompts = _prompts()
-    for prompt in prompts:
-        folder.reference(prompt)  # before the engine: it rebinds mlx_lm.generate's stream to its thread
     assert _problem(folder, prompts, _engine_answers(folder.path, prompts)) is None
 
 
@@ -146,9 +144,7 @@ def test_stock_batched_engine_is_wrong_where_affected(model_type, patch_id, disa
         sys.path.insert(0, {TESTS!r})
         import test_vllm_mlx as here
         folder = here.Folder({str(tmp_path_factory.mktemp("stock"))!r}, {model_type!r})
-        prompts = here._prompts()
-        for prompt in prompts:
-            folder.reference(prompt)  # single sequence: the disabled patches are batching ones
+        prompts = here._prompts()  # references are single sequences: the disabled patches batch
         print(json.dumps(here._problem(folder, prompts, here._engine_answers(folder.path, prompts))))
     """, env={"MLX_LM_PATCHES_DISABLE": ",".join(disabled)}, timeout=600)
     assert ran.returncode == 0, ran.stderr[-3000:]

@@ -24,7 +24,7 @@ What keeps a full run inside CI's budget (2 cores), without dropping a cell:
   on mlx: they run on the release's own row (its release-time mlx) and are deselected on a row
   that only pairs the same release with a newer mlx; that row runs everything else in-process.
 * A row with further ``packages`` runs the tests of those packages, the matrix cells and the CLI
-  (``PACKAGE_TESTS``, ``TWIN_TESTS``): everything else is its mlx-lm release's, proven on the
+  (``PACKAGE_TESTS``, ``PACKAGE_ROW_TESTS``): everything else is its mlx-lm release's, proven on the
   release's own row.
 * Packages whose default install drags in what no test uses are installed without their
   dependencies, plus the ones their tested code imports (``WITHOUT_DEPENDENCIES``): a default
@@ -58,11 +58,11 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 WORK = REPO / ".matrix"
-# tests that depend on a further distribution of a row (see mark_package_twins)
+# a row with further packages runs these files of theirs, plus PACKAGE_ROW_TESTS
 PACKAGE_TESTS = {"mlx-vlm": ["tests/test_mlx_vlm_batching.py"], "vllm-mlx": ["tests/test_vllm_mlx.py"]}
 # package -> what its engine and server import beyond mlx-lm's and mlx-vlm's dependencies
 WITHOUT_DEPENDENCIES = {"vllm-mlx": ["jsonschema"]}
-TWIN_TESTS = ["tests/test_matrix_cells.py", "tests/test_cli.py"]
+PACKAGE_ROW_TESTS = ["tests/test_matrix_cells.py", "tests/test_cli.py"]
 KERNEL_CACHES = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "mlx-lm-patches" / "mlx-tmp"
 
 
@@ -194,7 +194,7 @@ def session(row, prefetch: Prefetch, group, index, pytest_args) -> dict:
             skip = ([] if row["python_only"] else ["python_only"]) + (["release_only"] if row["mlx_twin"] else [])
             selection = ["-m", " and ".join(f"not {marker}" for marker in skip)] if skip else []
             if row["packages"] and not row["python_only"] and not pytest_args:
-                selection += TWIN_TESTS + [f for name, _ in row["packages"] for f in PACKAGE_TESTS.get(name, [])]
+                selection += PACKAGE_ROW_TESTS + [f for name, _ in row["packages"] for f in PACKAGE_TESTS.get(name, [])]
             tested = True
             rc = _step(out, [str(venv / "bin" / "pytest"), "-q", "-p", "no:cacheprovider", "-rfE", *selection, *pytest_args],
                        test_env, cwd=str(REPO))
