@@ -26,6 +26,9 @@ PROMPT = "the quick brown fox"
 STREAMED_PROMPT = "once upon a time"
 CONVERSATION = [{"role": "user", "content": "the quick brown fox"}]
 STREAMED = [{"role": "user", "content": "once upon a time"}]
+# Long enough that the server cuts the prefill into pieces (prompt-cache-prefix-reuse), and a
+# second prompt that diverges at its end: it reuses a stored state of the first.
+DOCUMENT = " ".join(f"fact {i} is about item{i % 7}." for i in range(24))
 
 
 class Server:
@@ -107,15 +110,18 @@ def _complete(client, prompt, stream=False):
 
 
 def _session(server, chat=True):
-    """What a client sees: text completions (a prompt, the same prompt again, a streamed one)
-    and chat completions (a reply, a streamed reply). No request extends an earlier prompt plus
+    """What a client sees: text completions (a prompt, the same prompt again, a streamed one,
+    a long one and one diverging from it at its end) and chat completions (a reply, a streamed
+    reply). No request extends an earlier prompt plus
     its answer: mlx-lm's server stores the cache of a speculative generation under one token
     more than it holds (README, "Not fixed yet"), with any draft model, dense ones included."""
     assert server.wait_ready(), f"server exited:\n{server.log[-3000:]}"
     client = server.client()
     out = {"completion": _complete(client, PROMPT),
            "same completion again": _complete(client, PROMPT),
-           "streamed completion": _complete(client, STREAMED_PROMPT, stream=True)}
+           "streamed completion": _complete(client, STREAMED_PROMPT, stream=True),
+           "long completion": _complete(client, DOCUMENT + " first question?"),
+           "long completion, diverging": _complete(client, DOCUMENT + " second question?")}
     if chat:
         out.update({"chat": _chat(client, CONVERSATION), "streamed chat": _chat(client, STREAMED, stream=True)})
     return out

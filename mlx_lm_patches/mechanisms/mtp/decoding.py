@@ -86,23 +86,31 @@ class HiddenCapture:
         self.count = 0  # forward passes recorded so far
         self._leaf = None  # weakref to the position leaf of the cache of the recorded passes
         self._leaf_since = 0  # self.count when that cache was first seen
-        self._pending = None  # (pre, post) of the final norm during the current forward
+        self._pending = []  # (pre, post) of each final-norm call during the current forward
         self.last = None  # {"pre", "post"} hidden states of the last forward, any batch size
         self.norm = None  # weakref to the final norm whose class was swapped
 
+    def forward_started(self):
+        self._pending = []  # norm calls outside a forward of the model (e.g. its inner model's) do not count
+
     def norm_called(self, pre, post):
-        self._pending = (pre, post)
+        self._pending.append((pre, post))
 
     def forward_done(self, inputs, cache, start):
         import mlx.core as mx
 
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            self.last = {"pre": pending[0], "post": pending[1]}
+        calls, self._pending = self._pending, []
+        pending = None
+        if calls:
+            # One forward may run the model in pieces (the prefill cut of prompt-cache-prefix-reuse
+            # runs a chunk per call of the wrapped ``__call__``): the final norm saw each in turn.
+            pre, post = (mx.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
+                         for parts in zip(*calls))
+            pending = (pre, post)
+            self.last = {"pre": pre, "post": post}
         if pending is None or start is None or not isinstance(inputs, mx.array) or inputs.ndim != 2 \
-                or inputs.shape[0] != 1:
+                or inputs.shape[0] != 1 or post.ndim != 3 or post.shape[1] != inputs.shape[1]:
             return
-        pre, post = pending
         leaf = _position_leaf(cache)
         current = self._leaf() if self._leaf is not None else None
         if leaf is not current:  # another sequence: what was recorded no longer applies
@@ -195,6 +203,7 @@ def install_capture(model) -> HiddenCapture:
 
     def model_call(self, inputs, cache=None, **kwargs):
         start = _offset(cache) if cache is not None else 0  # no cache: a forward from position 0
+        self.__dict__[CAPTURE].forward_started()
         out = model_class.__call__(self, inputs, cache=cache, **kwargs)
         self.__dict__[CAPTURE].forward_done(inputs, cache, start)
         return out
@@ -323,8 +332,7 @@ class MTPDraft:
         placeholder = mx.zeros((inputs.shape[0], inputs.shape[1], vocab))
         if committed is None or committed < 1 or inputs.shape[0] != 1:
             return placeholder
-        if state.round_of != committed:  # the main model moved: a new round
-            state.round_of = committed
+        if state.round_of != committed or state.recycled is None:  # the main model moved: a new round
             for kv in state.kv:
                 if kv.offset > state.synced:
                     kv.trim(kv.offset - state.synced)
@@ -332,8 +340,10 @@ class MTPDraft:
             if span is None:  # hidden states not recorded (e.g. prefilled elsewhere)
                 self._reset(state, committed)
                 span = self.capture.span(committed - 1, committed, self.hidden)
-                if span is None:
+                if span is None:  # nothing to draft from: proposals the main model rejects
+                    state.round_of = None
                     return placeholder
+            state.round_of = committed
             h, x_following = span
             # The last slot pairs h_{C-1} with x_C, which the main model has not processed yet:
             # it is the last token the loop hands the draft.
