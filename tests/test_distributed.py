@@ -14,6 +14,12 @@ server answers
   both ranks must have made the same reuse decision (each rank logs it with
   ``MLX_LM_PATCHES_DEBUG=1``; a decision on one rank only would desynchronize the collectives).
 
+``--draft-model mtp`` (stock refuses every draft model in distributed mode): a second two-rank
+server per layout, on a checkpoint with an MTP head, drafts with the model's own head on every
+rank (each rank logs it) and answers the same requests - concurrent ones, then a diverging one
+that reuses a stored prompt, draft caches included - exactly as the single-process greedy
+reference. On a checkpoint without a head, every rank refuses the load with the same error.
+
 A failure on one rank must reach the client within a bounded time, not hang it. Each server ends
 with one (the servers run a test-only entry, ``HOOK``, that fails on rank 1 for a marked request
 and serves every other one unchanged): on the pipeline server rank 1 dies (the client gets an
@@ -24,7 +30,7 @@ forever, a strict xfail bounded by the client's timeout.
 
 CI time: the suite runs on every mlx-lm release of the matrix on 2 cores, so this module runs on
 the newest tested release only (``tested_versions`` in compat_matrix.yaml; 0.32 is the first to
-pipeline hybrid families, 0.31.3 could run tensor-parallel qwen3_5). Three launches in all, each
+pipeline hybrid families, 0.31.3 could run tensor-parallel qwen3_5). Six launches in all, each
 bounded (readiness, client and stop timeouts), their whole process groups killed when the
 fixture ends; a third, short one shows the stock hang.
 """
@@ -39,6 +45,7 @@ import pytest
 
 from conftest import clean_env, xfail_if_affected
 from mlx_lm_patches.demos.model_folder import write_model_folder
+from mlx_lm_patches.demos.mtp_checkpoints import write_mtp_checkpoint
 from mlx_lm_patches.demos.tiny_models import build_tiny_model, tiny_config
 from support.chat_reference import chat_prompt, chat_reference
 from support.server import launcher, serve, server_flags
@@ -62,6 +69,8 @@ DIVERGING = [{"role": "user", "content": DOCUMENT + " Final question: omega?"}]
 # The package's own debug line (its handler prints the bare message at the start of a line; the
 # server's root handler, to which the record propagates, prints it again after its own prefix).
 REUSED = re.compile(r"^mlx-lm-patches: prompt cache: (\d+) of (\d+) tokens reused", re.M)
+DRAFTING = re.compile(r"^mlx-lm-patches: --draft-model mtp: rank (\d+) of (\d+) drafts with the model's MTP head",
+                      re.M)
 
 LAYOUTS = {"tensor-qwen3_5": ("qwen3_5", ()), "pipeline-qwen3_next": ("qwen3_next", ("--pipeline",))}
 
@@ -188,6 +197,62 @@ def test_diverging_request_reuses_half_the_shared_prefix(served, reference):
     shared = next(i for i, (a, b) in enumerate(zip(stored + [None], asked + [-1])) if a != b)
     assert cached is not None, "this release reports no cached tokens"
     assert shared // 2 <= cached <= shared, f"reused {cached} of {shared} shared tokens"
+
+
+# -- --draft-model mtp -------------------------------------------------------------------------
+
+@pytest.fixture(scope="module", params=sorted(LAYOUTS))
+def mtp_served(request, tmp_path_factory):
+    """A two-rank ``--draft-model mtp`` server of one layout on a checkpoint with an MTP head
+    (float32: the reference is exact), after concurrent requests and a diverging one."""
+    model_type, args = LAYOUTS[request.param]
+    reason = _layout_skip(model_type, args)
+    if reason:
+        pytest.skip(reason)
+    folder = write_mtp_checkpoint(tmp_path_factory.mktemp(f"dist-mtp-{model_type}"), model_type,
+                                  dtype="float32", name="model").folder
+    with serve(folder, "--draft-model", "mtp", *args, *_prefill_args(), ranks=RANKS,
+               ready_timeout=READY_TIMEOUT, env=clean_env(MLX_LM_PATCHES_DEBUG="1")) as server:
+        client = server.client(timeout=REQUEST_TIMEOUT)
+        with concurrent.futures.ThreadPoolExecutor(len(CONCURRENT)) as pool:
+            concurrent_answers = [f.result() for f in
+                                  [pool.submit(_ask, client, m) for m in CONCURRENT]]
+        _ask(client, FIRST)
+        diverging = _ask(client, DIVERGING)
+        yield dict(folder=folder, concurrent=concurrent_answers, diverging=diverging, log=server.log())
+
+
+def test_draft_model_mtp_drafts_on_every_rank(mtp_served):
+    ranks = sorted(int(rank) for rank, _ in DRAFTING.findall(mtp_served["log"]))
+    assert ranks == list(range(RANKS)), f"ranks that logged drafting with the MTP head: {ranks}"
+
+
+def test_draft_model_mtp_answers_equal_single_process_reference(mtp_served, reference):
+    answers = [text for text, _ in mtp_served["concurrent"]] + [mtp_served["diverging"][0]]
+    assert answers == [reference(mtp_served["folder"], m).text for m in CONCURRENT + [DIVERGING]]
+
+
+def test_draft_model_mtp_without_a_head_is_refused_on_every_rank(tmp_path_factory):
+    """A checkpoint without an MTP head: every rank refuses the load with one error naming the
+    ranks without a head (a draft on one rank only would desynchronize the collectives); the
+    client gets an error (mlx-lm's "generation thread died"), not an answer and not a hang."""
+    import openai
+
+    model_type, args = LAYOUTS["tensor-qwen3_5"]
+    reason = _layout_skip(model_type, args)
+    if reason:
+        pytest.skip(reason)
+    with serve(_folder(tmp_path_factory, model_type), "--draft-model", "mtp", *args, ranks=RANKS,
+               ready_timeout=READY_TIMEOUT, env=clean_env()) as server:
+        with pytest.raises(openai.APIStatusError) as refused:
+            _ask(server.client(timeout=HANG_TIMEOUT), CONCURRENT[0])
+        refusal = f"ValueError: --draft-model mtp: no MTP head on rank(s) 0, 1 of {RANKS}"
+        waited = time.monotonic()
+        while server.log().count(refusal) < RANKS and time.monotonic() - waited < HANG_TIMEOUT:
+            time.sleep(0.2)  # each rank logs its refusal when it gets there
+        log = server.log()
+    assert "generation thread died" in refused.value.response.text, refused.value.response.text
+    assert log.count(refusal) == RANKS, log[-3000:]
 
 
 def test_every_rank_makes_the_same_reuse_decision(served):

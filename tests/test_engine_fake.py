@@ -38,6 +38,10 @@ LIB = {
     "extra.py": """
         def thing():
             return "original"
+
+        class Box:
+            def get(self):
+                return "original"
     """,
 }
 
@@ -150,6 +154,8 @@ PATCHES = {
 
         def apply(p):
             p.wrap("{lib}.extra:thing", lambda wrapped, instance, args, kwargs: "patched")
+            p.wrap_if_present("{lib}.extra:Box.get", lambda wrapped, instance, args, kwargs: "patched")
+            p.wrap_if_present("{lib}.extra:Gone.get", lambda wrapped, instance, args, kwargs: "patched")
     """,
 }
 
@@ -170,7 +176,7 @@ patches:
   - {{id: gone-target, summary: s, affected: ">=1.0", fixed_in: null, upstream: [], targets: ["{lib}.core:Removed.__call__"], probe: p}}
   - {{id: alternative-targets, summary: s, affected: ">=1.0", fixed_in: null, upstream: [], targets: ["{lib}.core:Later.method?", "{lib}.core:Cache.trim?"], probe: p}}
   - {{id: not-needed-reason, summary: s, affected: ">=1.0", fixed_in: null, upstream: [], targets: ["{lib}.core:Cache"], probe: p}}
-  - {{id: deferred, summary: s, affected: ">=1.0", fixed_in: null, upstream: [], targets: ["{lib}.core:Cache", "{lib}.extra:thing"], probe: p}}
+  - {{id: deferred, summary: s, affected: ">=1.0", fixed_in: null, upstream: [], targets: ["{lib}.core:Cache", "{lib}.extra:thing", "{lib}.extra:Box.get?", "{lib}.extra:Gone.get?"], probe: p}}
 """
 
 OK_IDS = ["trim-fix", "greet-fix", "added-attr"]
@@ -326,9 +332,13 @@ def test_deferred_targets_apply_when_their_module_is_imported(fake):
     assert "waiting for import" in fake.engine.row("deferred").detail
     extra = fake.module("extra")
     assert extra.thing() == "patched"
+    assert extra.Box().get() == "patched"  # an optional target that is there is wrapped
+    assert not hasattr(extra, "Gone")  # one that is not is left alone, without an error
+    assert fake.state("deferred") is State.APPLIED
     assert "waiting" not in fake.engine.row("deferred").detail
     fake.engine.revert(["deferred"])
     assert extra.thing() == "original"
+    assert extra.Box().get() == "original"
 
 
 def test_revert_while_pending_cancels(fake):

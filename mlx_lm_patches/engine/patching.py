@@ -268,6 +268,19 @@ class Patcher:
     def wrap(self, target: str, wrapper: Callable) -> None:
         self._run_or_defer(target, lambda: self._wrap_now(target, wrapper))
 
+    def wrap_if_present(self, target: str, wrapper: Callable) -> None:
+        """``wrap`` for a target that some releases do not have (``?`` in the matrix): when its
+        module is imported, wrapped if its owner has the attribute, else left alone."""
+        def thunk():
+            try:
+                owner, attr = owner_of(target)
+            except (KeyError, AttributeError, TypeError):
+                return
+            if hasattr(owner, attr):
+                self._wrap_now(target, wrapper)
+
+        self._run_or_defer(target, thunk)
+
     def set(self, target: str, value: Any) -> None:
         self._run_or_defer(target, lambda: self._set_now(target, value))
 

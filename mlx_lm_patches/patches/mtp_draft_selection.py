@@ -14,11 +14,25 @@ Fix
     named ``mtp`` in the working directory - loads as before. If no
     model was loaded yet, or it has no MTP head, the error says so (``model.mtp_status``).
 
+    Distributed (``mlx.launch ... mlx_lm.server --draft-model mtp``): the server refuses every
+    draft model in distributed mode (``ModelProvider._load``: "not supported in distributed
+    mode", 0.31.3 and later), because a separate draft would be loaded whole on every rank,
+    outside ``sharded_load``. The model's own head is different: it is loaded by
+    ``sharded_load`` with the model, and reads only what every rank has after the backbone (the
+    final hidden state: all-summed under tensor parallelism, all-gathered at the end of a
+    pipeline). So for ``mtp`` alone the wrapper loads the model as stock does, takes its head as
+    the draft, and checks that every rank has one (one collective; a head missing on any rank
+    fails the load on every rank, naming the ranks) - a draft on one rank only would
+    desynchronize the collectives. The head is replicated, not sharded: each rank runs all of
+    it (``model.mtp_status`` says so); its logits are gathered like the model's where the
+    output projection is vocabulary-sharded.
+
 Affected
     Every supported release (0.28.4 - 0.32.2); the probe decides on newer ones.
 
 Upstream
     https://github.com/ml-explore/mlx-lm/blob/v0.32.2/mlx_lm/generate.py (``main``: ``load(args.draft_model)``);
+    https://github.com/ml-explore/mlx-lm/blob/v0.32.2/mlx_lm/server.py (``ModelProvider._load``);
     https://github.com/ml-explore/mlx-lm/pull/990 (MTP support, open).
 
 Retire
@@ -28,17 +42,32 @@ Metal
     Selection only; the draft runs the head's layers through mlx-lm's own modules.
 """
 
+import logging
 import os
 import sys
 import weakref
 
 from mlx_lm_patches.engine.contract import Outcome
+from mlx_lm_patches.mechanisms.calls import bind_arguments
 
 GENERATE = "mlx_lm.generate"
 SERVER = "mlx_lm.server"
 SENTINEL = "mtp"
 
 MODEL, TOKENIZER = "the last loaded model (weakly)", "its tokenizer"
+
+log = logging.getLogger("mlx_lm_patches")
+
+
+def _mtp_draft(model):
+    """The draft of ``model``'s own MTP head; ``ValueError`` naming why there is none."""
+    make_draft = model.__dict__.get("make_draft_model")
+    if make_draft is None:
+        raise ValueError(
+            f"--draft-model mtp: {type(model).__name__} ({getattr(model, 'model_type', '?')}) has no MTP "
+            f"interface ({model.__dict__.get('mtp_status', 'not a family whose MTP head is kept')})"
+        )
+    return make_draft()
 
 
 def _load_or_mtp_draft(last, wrapped, instance, args, kwargs):
@@ -51,13 +80,48 @@ def _load_or_mtp_draft(last, wrapped, instance, args, kwargs):
     model = last[MODEL]() if last.get(MODEL) is not None else None
     if model is None:
         raise ValueError("--draft-model mtp drafts with the main model's MTP head: load the main model first")
-    make_draft = model.__dict__.get("make_draft_model")
-    if make_draft is None:
-        raise ValueError(
-            f"--draft-model mtp: {type(model).__name__} ({getattr(model, 'model_type', '?')}) has no MTP "
-            f"interface ({model.__dict__.get('mtp_status', 'not a family whose MTP head is kept')})"
-        )
-    return make_draft(), last.get(TOKENIZER)
+    return _mtp_draft(model), last.get(TOKENIZER)
+
+
+def _every_rank_has_a_draft(problem) -> None:
+    """One collective over the world group (every rank loads at the same point of the request
+    stream): raise the same error on every rank if any rank has no draft."""
+    import mlx.core as mx
+
+    group = mx.distributed.init()
+    flags = mx.distributed.all_gather(mx.array([0 if problem else 1], dtype=mx.int32), stream=mx.cpu)
+    missing = [rank for rank, flag in enumerate(flags.tolist()) if not flag]
+    if missing:
+        why = f": {problem}" if problem else " (see their logs)"
+        raise ValueError(f"--draft-model mtp: no MTP head on rank(s) {', '.join(map(str, missing))} "
+                         f"of {group.size()}{why}")
+
+
+def _distributed_load_with_mtp_draft(wrapped, instance, args, kwargs):
+    """``ModelProvider._load`` in distributed mode with ``draft_model_path == "mtp"``: load the
+    model as stock does (``sharded_load``), then its own head is the draft, on every rank."""
+    import mlx.core as mx
+
+    bound = bind_arguments(wrapped, args, kwargs)
+    draft_path = bound.arguments.get("draft_model_path")
+    if draft_path != SENTINEL or not getattr(instance, "is_distributed", False) or os.path.exists(SENTINEL):
+        return wrapped(*args, **kwargs)
+    bound.arguments["draft_model_path"] = None  # stock still refuses adapters here
+    wrapped(*bound.args, **bound.kwargs)
+    draft, problem = None, None
+    try:
+        draft = _mtp_draft(instance.model)
+    except Exception as exc:  # MTPUnavailable, or no interface: reported on every rank below
+        problem = str(exc)
+    _every_rank_has_a_draft(problem)
+    model, group = instance.model, mx.distributed.init()
+    model.__dict__["mtp_status"] = (f"{model.__dict__.get('mtp_status', 'MTP head kept')}; replicated on "
+                                    f"each of {group.size()} ranks (not sharded)")
+    log.debug("mlx-lm-patches: --draft-model mtp: rank %d of %d drafts with the model's MTP head (replicated, not sharded)",
+              group.rank(), group.size())
+    instance.draft_model = draft
+    instance.model_key = (*instance.model_key[:2], draft_path)
+    instance.is_batchable = False
 
 
 def probe():
@@ -75,6 +139,7 @@ def apply(p):
 
     p.wrap(f"{GENERATE}:load", load)
     p.wrap(f"{SERVER}:load", load)
+    p.wrap_if_present(f"{SERVER}:ModelProvider._load", _distributed_load_with_mtp_draft)  # 0.31.3+
 
 
 def scenario():

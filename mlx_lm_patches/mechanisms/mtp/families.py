@@ -131,7 +131,13 @@ class Qwen:
         text = self._text(model)
         if text.args.tie_word_embeddings:
             return text.model.embed_tokens.as_linear(out)
-        return text.lm_head(out)
+        out = text.lm_head(out)
+        group = getattr(text, "sharding_group", None)
+        if group is not None:  # Model.shard split lm_head over the vocabulary (0.32+): gather as the model does
+            from mlx_lm.models.base import gather_last_axis
+
+            out = gather_last_axis(out, group)
+        return out
 
     def vocab_size(self, model):
         return self._text(model).args.vocab_size
