@@ -18,7 +18,8 @@ server answers
 server per layout, on a checkpoint with an MTP head, drafts with the model's own head on every
 rank (each rank logs it) and answers the same requests - concurrent ones, then a diverging one
 that reuses a stored prompt, draft caches included - exactly as the single-process greedy
-reference. On a checkpoint without a head, every rank refuses the load with the same error.
+reference (without ``mtp-draft-selection``, a strict xfail: stock refuses). On a checkpoint
+without a head, every rank refuses the load with the same error.
 
 A failure on one rank must reach the client within a bounded time, not hang it. Each server ends
 with one (the servers run a test-only entry, ``HOOK``, that fails on rank 1 for a marked request
@@ -30,7 +31,7 @@ forever, a strict xfail bounded by the client's timeout.
 
 CI time: the suite runs on every mlx-lm release of the matrix on 2 cores, so this module runs on
 the newest tested release only (``tested_versions`` in compat_matrix.yaml; 0.32 is the first to
-pipeline hybrid families, 0.31.3 could run tensor-parallel qwen3_5). Six launches in all, each
+pipeline hybrid families, 0.31.3 could run tensor-parallel qwen3_5). Seven launches in all, each
 bounded (readiness, client and stop timeouts), their whole process groups killed when the
 fixture ends; a third, short one shows the stock hang.
 """
@@ -253,6 +254,26 @@ def test_draft_model_mtp_without_a_head_is_refused_on_every_rank(tmp_path_factor
         log = server.log()
     assert "generation thread died" in refused.value.response.text, refused.value.response.text
     assert log.count(refusal) == RANKS, log[-3000:]
+
+
+@pytest.mark.parametrize("pid", [pytest.param("mtp-draft-selection", marks=xfail_if_affected("mtp-draft-selection"))])
+def test_stock_draft_model_mtp_on_two_ranks_answers(pid, tmp_path_factory, reference):
+    """Without ``mtp-draft-selection`` (every other patch on) mlx-lm refuses the draft in
+    distributed mode: the client gets "generation thread died" instead of the answer. A strict
+    xfail where compat_matrix.yaml says the release is affected."""
+    model_type, args = LAYOUTS["tensor-qwen3_5"]
+    reason = _layout_skip(model_type, args)
+    if reason:
+        pytest.skip(reason)
+    folder = write_mtp_checkpoint(tmp_path_factory.mktemp("dist-mtp-stock"), model_type, dtype="float32",
+                                  name="model").folder
+    with serve(folder, "--draft-model", "mtp", *args, ranks=RANKS, ready_timeout=READY_TIMEOUT,
+               env=clean_env(MLX_LM_PATCHES_DISABLE=pid)) as server:
+        try:
+            answer = _ask(server.client(timeout=HANG_TIMEOUT), CONCURRENT[0])[0]
+        except Exception as error:  # openai.APIStatusError: "generation thread died"
+            answer = error
+    assert answer == reference(folder, CONCURRENT[0]).text, answer
 
 
 def test_every_rank_makes_the_same_reuse_decision(served):
