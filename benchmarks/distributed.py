@@ -1,11 +1,12 @@
 """``mlx_lm.server`` on one process vs two ``mlx.launch`` ranks, same tiny model, one run.
 
     python benchmarks/distributed.py [--model-type qwen3_5] [--pipeline] [--requests 60]
-                                     [--concurrency 4] [--max-tokens 16] [--rounds 1]
+                                     [--concurrency 4] [--max-tokens 16] [--rounds 1] [--draft-model-mtp]
 
 Writes a tiny random-weight hybrid model folder, then starts ``python -m mlx_lm.server`` alone
 and under ``mlx.launch -n 2 --backend ring`` (tensor parallel, or ``--pipeline``), both with the
-installed package, and sends each the same requests (``support.server_load.workload``: shared
+installed package (``--draft-model-mtp``: a checkpoint with an MTP head, both servers run with
+``--draft-model mtp``), and sends each the same requests (``support.server_load.workload``: shared
 and diverging prefixes, second turns) from ``--concurrency`` threads with the ``openai`` client.
 Every answer is compared with its cold single-sequence reference computed in this process.
 
@@ -37,6 +38,8 @@ def main():
     parser.add_argument("--rounds", type=int, default=1, help="rounds per mode, alternating")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds per request")
     parser.add_argument("--json", action="store_true", help="also print the results as JSON")
+    parser.add_argument("--draft-model-mtp", action="store_true",
+                        help="a checkpoint with an MTP head, both servers with --draft-model mtp")
     args = parser.parse_args()
 
     import mlx_lm_patches
@@ -51,13 +54,16 @@ def main():
     env = {k: v for k, v in os.environ.items() if k not in ours.ALL_VARIABLES and k != "PYTHONPATH"}
     env["HF_HUB_OFFLINE"] = "1"
     layout = "pipeline" if args.pipeline else "tensor"
-    modes = {"1 process": dict(ranks=1, extra=()),
-             "2 ranks": dict(ranks=2, extra=("--pipeline",) if args.pipeline else ())}
+    draft = ("--draft-model", "mtp") if args.draft_model_mtp else ()
+    modes = {"1 process": dict(ranks=1, extra=draft),
+             "2 ranks": dict(ranks=2, extra=draft + (("--pipeline",) if args.pipeline else ()))}
 
     with tempfile.TemporaryDirectory(prefix="distributed-bench-") as tmp:
-        folder, reference, jobs, distinct = tiny_workload(tmp, args.model_type, args.requests, args.max_tokens)
+        folder, reference, jobs, distinct = tiny_workload(tmp, args.model_type, args.requests, args.max_tokens,
+                                                         mtp=args.draft_model_mtp)
         print(f"mlx-lm {versions.mlx_lm().describe()}, mlx {versions.mlx().describe()}, {args.model_type} "
-              f"(tiny, CPU, {os.cpu_count()} cores), 2 ranks: {layout} parallel, {args.requests} requests "
+              f"(tiny, CPU, {os.cpu_count()} cores{', --draft-model mtp' if draft else ''}), 2 ranks: {layout} "
+              f"parallel, {args.requests} requests "
               f"({distinct} distinct) at concurrency {args.concurrency}, max_tokens {args.max_tokens}",
               flush=True)
 

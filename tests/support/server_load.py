@@ -224,10 +224,11 @@ def load_rounds(modes, start, jobs, reference, rounds: int, concurrency: int, ma
     return best, broken
 
 
-def tiny_workload(folder_root, model_type: str, requests: int, max_tokens: int):
-    """A tiny random-weight ``model_type`` written under ``folder_root`` and a workload of
-    ``requests`` chats for it with their cold references: ``(folder, reference, jobs, distinct)``,
-    ``reference(messages)`` memoised (greedy, one sequence, cold prefill, in this process)."""
+def tiny_workload(folder_root, model_type: str, requests: int, max_tokens: int, mtp: bool = False):
+    """A tiny random-weight ``model_type`` written under ``folder_root`` (``mtp``: a float32
+    checkpoint with an MTP head) and a workload of ``requests`` chats for it with their cold
+    references: ``(folder, reference, jobs, distinct)``, ``reference(messages)`` memoised (greedy,
+    one sequence, cold prefill, in this process)."""
     import json
     import os
 
@@ -237,8 +238,13 @@ def tiny_workload(folder_root, model_type: str, requests: int, max_tokens: int):
     from mlx_lm_patches.demos.tiny_models import build_tiny_model, tiny_config
     from support.chat_reference import chat_reference
 
-    folder = write_model_folder(os.path.join(folder_root, "model"), build_tiny_model(model_type, seed=1),
-                                tiny_config(model_type))
+    if mtp:
+        from mlx_lm_patches.demos.mtp_checkpoints import write_mtp_checkpoint
+
+        folder = write_mtp_checkpoint(folder_root, model_type, dtype="float32", name="model").folder
+    else:
+        folder = write_model_folder(os.path.join(folder_root, "model"), build_tiny_model(model_type, seed=1),
+                                    tiny_config(model_type))
     model, tokenizer = load(str(folder))
     memo = {}
 
