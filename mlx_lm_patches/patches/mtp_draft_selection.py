@@ -61,12 +61,12 @@ log = logging.getLogger("mlx_lm_patches")
 
 def _mtp_draft(model):
     """The draft of ``model``'s own MTP head; ``ValueError`` naming why there is none."""
+    from mlx_lm_patches.mechanisms.mtp.decoding import model_label
+
     make_draft = model.__dict__.get("make_draft_model")
     if make_draft is None:
-        raise ValueError(
-            f"--draft-model mtp: {type(model).__name__} ({getattr(model, 'model_type', '?')}) has no MTP "
-            f"interface ({model.__dict__.get('mtp_status', 'not a family whose MTP head is kept')})"
-        )
+        status = model.__dict__.get("mtp_status", "not a family whose MTP head is kept")
+        raise ValueError(f"--draft-model mtp: {model_label(model)} has no MTP interface ({status})")
     return make_draft()
 
 

@@ -239,13 +239,16 @@ def make_mtp_cache(model):
     return [KVCache() for _ in family_of(model).attention_layers(_head(model))]
 
 
+def model_label(model) -> str:
+    """``Model (qwen3_5)``: the class and model type, for messages."""
+    return f"{type(model).__name__} ({getattr(model, 'model_type', '?')})"
+
+
 def _head(model):
     head = model.__dict__.get("mtp")
     if head is None:
-        raise MTPUnavailable(
-            f"{type(model).__name__} ({getattr(model, 'model_type', '?')}) has no MTP head: "
-            f"{model.__dict__.get('mtp_status', 'the checkpoint was not loaded with mlx-lm-patches active')}"
-        )
+        status = model.__dict__.get("mtp_status", "the checkpoint was not loaded with mlx-lm-patches active")
+        raise MTPUnavailable(f"{model_label(model)} has no MTP head: {status}")
     return head
 
 
