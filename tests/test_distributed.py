@@ -236,7 +236,8 @@ def test_draft_model_mtp_answers_equal_single_process_reference(mtp_served, refe
 def test_draft_model_mtp_without_a_head_is_refused_on_every_rank(tmp_path_factory):
     """A checkpoint without an MTP head: every rank refuses the load with one error naming the
     ranks without a head, from one collective (a draft on one rank only would desynchronize the collectives); the
-    client gets an error, not an answer and not a hang: mlx-lm's "generation thread died", or a
+    client gets an error, not an answer and not a hang: mlx-lm's "generation thread died" (or,
+    where ``server-thread-death`` applies, the refusal itself), or a
     closed connection when rank 1, whose generation thread died too, has already ended and
     ``mlx.launch`` with it."""
     import openai
@@ -260,8 +261,9 @@ def test_draft_model_mtp_without_a_head_is_refused_on_every_rank(tmp_path_factor
         outcome, log = exited, exited.log
     assert isinstance(outcome, Exception), f"answered {outcome!r}"
     assert not isinstance(outcome, openai.APITimeoutError), f"no answer after {HANG_TIMEOUT:.0f}s"
-    if isinstance(outcome, openai.APIStatusError):
-        assert "generation thread died" in outcome.response.text, outcome.response.text
+    if isinstance(outcome, openai.APIStatusError):  # mlx-lm's own answer, or server-thread-death's
+        text = outcome.response.text
+        assert "generation thread died" in text or "no MTP head on rank(s) 0, 1" in text, text
     # Rank 0's error names rank 1 too: it learned it in the collective every rank takes part in,
     # so every rank raised the same (rank 1's own log may be cut short when mlx.launch ends it).
     assert refusal in log, log[-3000:]
