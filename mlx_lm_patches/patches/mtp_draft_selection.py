@@ -104,7 +104,9 @@ def _distributed_load_with_mtp_draft(wrapped, instance, args, kwargs):
 
     bound = bind_arguments(wrapped, args, kwargs)
     draft_path = bound.arguments.get("draft_model_path")
-    if draft_path != SENTINEL or not getattr(instance, "is_distributed", False) or os.path.exists(SENTINEL):
+    # No check for a folder named "mtp" here (unlike ``load``): stock refuses every draft path in
+    # distributed mode, and a folder present on one host only would split the ranks' decisions.
+    if draft_path != SENTINEL or not getattr(instance, "is_distributed", False):
         return wrapped(*args, **kwargs)
     bound.arguments["draft_model_path"] = None  # stock still refuses adapters here
     wrapped(*bound.args, **bound.kwargs)
