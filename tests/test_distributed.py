@@ -110,9 +110,31 @@ def _layout_skip(model_type, args):
     return None
 
 
+def _layout(name):
+    """``(model_type, server args)`` of layout ``name``; skips the test where this release cannot
+    serve it that way."""
+    model_type, args = LAYOUTS[name]
+    reason = _layout_skip(model_type, args)
+    if reason:
+        pytest.skip(reason)
+    return model_type, args
+
+
 def _folder(tmp_path_factory, model_type):
     return write_model_folder(tmp_path_factory.mktemp(f"dist-{model_type}") / model_type,
                               build_tiny_model(model_type, seed=1), tiny_config(model_type))
+
+
+def _mtp_folder(tmp_path_factory, model_type):
+    """A checkpoint with an MTP head (float32: the single-process reference is exact)."""
+    return write_mtp_checkpoint(tmp_path_factory.mktemp(f"dist-mtp-{model_type}"), model_type,
+                                dtype="float32", name="model").folder
+
+
+def _ask_concurrently(client):
+    """The ``CONCURRENT`` requests at once (the server batches them): their answers, in order."""
+    with concurrent.futures.ThreadPoolExecutor(len(CONCURRENT)) as pool:
+        return [f.result() for f in [pool.submit(_ask, client, m) for m in CONCURRENT]]
 
 
 def _prefill_args():
@@ -137,17 +159,12 @@ def hook(tmp_path_factory):
 def served(request, tmp_path_factory, hook):
     """A two-rank server of one layout, after the concurrent requests, the diverging one and,
     last, the layout's failure request (it ends the server: one launch per layout, CI time)."""
-    model_type, args = LAYOUTS[request.param]
-    reason = _layout_skip(model_type, args)
-    if reason:
-        pytest.skip(reason)
+    model_type, args = _layout(request.param)
     folder = _folder(tmp_path_factory, model_type)
     with serve(folder, *args, *_prefill_args(), ranks=RANKS, ready_timeout=READY_TIMEOUT,
                entry=(str(hook),), env=clean_env(MLX_LM_PATCHES_DEBUG="1")) as server:
         client = server.client(timeout=REQUEST_TIMEOUT)
-        with concurrent.futures.ThreadPoolExecutor(len(CONCURRENT)) as pool:
-            concurrent_answers = [f.result() for f in
-                                  [pool.submit(_ask, client, m) for m in CONCURRENT]]
+        concurrent_answers = _ask_concurrently(client)
         _ask(client, FIRST)
         logged = len(REUSED.findall(server.log()))
         diverging = _ask(client, DIVERGING)
@@ -206,18 +223,12 @@ def test_diverging_request_reuses_half_the_shared_prefix(served, reference):
 def mtp_served(request, tmp_path_factory):
     """A two-rank ``--draft-model mtp`` server of one layout on a checkpoint with an MTP head
     (float32: the reference is exact), after concurrent requests and a diverging one."""
-    model_type, args = LAYOUTS[request.param]
-    reason = _layout_skip(model_type, args)
-    if reason:
-        pytest.skip(reason)
-    folder = write_mtp_checkpoint(tmp_path_factory.mktemp(f"dist-mtp-{model_type}"), model_type,
-                                  dtype="float32", name="model").folder
+    model_type, args = _layout(request.param)
+    folder = _mtp_folder(tmp_path_factory, model_type)
     with serve(folder, "--draft-model", "mtp", *args, *_prefill_args(), ranks=RANKS,
                ready_timeout=READY_TIMEOUT, env=clean_env(MLX_LM_PATCHES_DEBUG="1")) as server:
         client = server.client(timeout=REQUEST_TIMEOUT)
-        with concurrent.futures.ThreadPoolExecutor(len(CONCURRENT)) as pool:
-            concurrent_answers = [f.result() for f in
-                                  [pool.submit(_ask, client, m) for m in CONCURRENT]]
+        concurrent_answers = _ask_concurrently(client)
         _ask(client, FIRST)
         diverging = _ask(client, DIVERGING)
         yield dict(folder=folder, concurrent=concurrent_answers, diverging=diverging, log=server.log())
@@ -234,18 +245,15 @@ def test_draft_model_mtp_answers_equal_single_process_reference(mtp_served, refe
 
 
 def test_draft_model_mtp_without_a_head_is_refused_on_every_rank(tmp_path_factory):
-    """A checkpoint without an MTP head: every rank refuses the load with one error naming the
-    ranks without a head, from one collective (a draft on one rank only would desynchronize the collectives); the
-    client gets an error, not an answer and not a hang: mlx-lm's "generation thread died" (or,
-    where ``server-thread-death`` applies, the refusal itself), or a
-    closed connection when rank 1, whose generation thread died too, has already ended and
+    """A checkpoint without an MTP head: every rank refuses the load with one error, from one
+    collective, naming the ranks without a head (a draft on one rank only would desynchronize
+    the collectives). The client gets an error, not an answer and not a hang: mlx-lm's
+    "generation thread died" (or, where ``server-thread-death`` applies, the refusal itself), or
+    a closed connection when rank 1, whose generation thread died too, has already ended, and
     ``mlx.launch`` with it."""
     import openai
 
-    model_type, args = LAYOUTS["tensor-qwen3_5"]
-    reason = _layout_skip(model_type, args)
-    if reason:
-        pytest.skip(reason)
+    model_type, args = _layout("tensor-qwen3_5")
     from support.server import ServerExited
 
     refusal = f"ValueError: --draft-model mtp: no MTP head on rank(s) 0, 1 of {RANKS}"
@@ -274,12 +282,8 @@ def test_stock_draft_model_mtp_on_two_ranks_answers(pid, tmp_path_factory, refer
     """Without ``mtp-draft-selection`` (every other patch on) mlx-lm refuses the draft in
     distributed mode: the client gets "generation thread died" instead of the answer. A strict
     xfail where compat_matrix.yaml says the release is affected."""
-    model_type, args = LAYOUTS["tensor-qwen3_5"]
-    reason = _layout_skip(model_type, args)
-    if reason:
-        pytest.skip(reason)
-    folder = write_mtp_checkpoint(tmp_path_factory.mktemp("dist-mtp-stock"), model_type, dtype="float32",
-                                  name="model").folder
+    model_type, args = _layout("tensor-qwen3_5")
+    folder = _mtp_folder(tmp_path_factory, model_type)
     with serve(folder, "--draft-model", "mtp", *args, ranks=RANKS, ready_timeout=READY_TIMEOUT,
                env=clean_env(MLX_LM_PATCHES_DISABLE=pid)) as server:
         try:
@@ -395,10 +399,7 @@ def test_a_rank_raising_alone_fails_the_request_on_every_rank(served, reference)
 def stock_raising(tmp_path_factory, hook):
     """The tensor layout without ``distributed-request-agreement`` (every other patch on), sent
     only the request that raises on rank 1."""
-    model_type, args = LAYOUTS["tensor-qwen3_5"]
-    reason = _layout_skip(model_type, args)
-    if reason:
-        pytest.skip(reason)
+    model_type, args = _layout("tensor-qwen3_5")
     folder = _folder(tmp_path_factory, model_type)
     with serve(folder, *args, *_prefill_args(), ranks=RANKS, ready_timeout=READY_TIMEOUT, entry=(str(hook),),
                env=clean_env(MLX_LM_PATCHES_DISABLE="distributed-request-agreement")) as server:

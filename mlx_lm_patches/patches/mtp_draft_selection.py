@@ -83,13 +83,12 @@ def _load_or_mtp_draft(last, wrapped, instance, args, kwargs):
     return _mtp_draft(model), last.get(TOKENIZER)
 
 
-def _every_rank_has_a_draft(problem) -> None:
-    """One collective over the world group (every rank loads at the same point of the request
-    stream): raise the same error on every rank if any rank has no draft."""
+def _every_rank_has_a_draft(group, problem) -> None:
+    """One collective over ``group``, the world group (every rank loads at the same point of the
+    request stream): raise the same error on every rank if any rank has no draft."""
     import mlx.core as mx
 
-    group = mx.distributed.init()
-    flags = mx.distributed.all_gather(mx.array([0 if problem else 1], dtype=mx.int32), stream=mx.cpu)
+    flags = mx.distributed.all_gather(mx.array([0 if problem else 1], dtype=mx.int32), group=group, stream=mx.cpu)
     missing = [rank for rank, flag in enumerate(flags.tolist()) if not flag]
     if missing:
         why = f": {problem}" if problem else " (see their logs)"
@@ -115,8 +114,9 @@ def _distributed_load_with_mtp_draft(wrapped, instance, args, kwargs):
         draft = _mtp_draft(instance.model)
     except Exception as exc:  # MTPUnavailable, or no interface: reported on every rank below
         problem = str(exc)
-    _every_rank_has_a_draft(problem)
-    model, group = instance.model, mx.distributed.init()
+    group = mx.distributed.init()
+    _every_rank_has_a_draft(group, problem)
+    model = instance.model
     model.__dict__["mtp_status"] = (f"{model.__dict__.get('mtp_status', 'MTP head kept')}; replicated on "
                                     f"each of {group.size()} ranks (not sharded)")
     log.debug("mlx-lm-patches: --draft-model mtp: rank %d of %d drafts with the model's MTP head (replicated, not sharded)",
