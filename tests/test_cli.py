@@ -9,6 +9,7 @@ from conftest import affected, run_python
 pytestmark = pytest.mark.subprocess
 
 
+@pytest.mark.release_only
 def test_status_json_lists_every_patch_with_its_state(the_matrix):
     ran = run_python(None, "-m", "mlx_lm_patches", "status", "--json")
     assert ran.returncode == 0, ran.stderr
@@ -59,6 +60,7 @@ def test_status_exits_non_zero_when_a_patch_failed():
     assert "failed" in ran.stdout and "injected" in ran.stdout
 
 
+@pytest.mark.release_only
 def test_check_demonstrates_every_fix(the_matrix):
     """Each patch judged alone: stock = everything reverted, patched = the patch plus what it
     ``needs``; skipped patches on stock mlx-lm; a scenario that cannot drive the installed API

@@ -14,7 +14,10 @@ What keeps a full run inside CI's budget (2 cores), without dropping a cell:
 * mlx's CPU backend compiles kernels once and caches them under ``$TMPDIR/mlx/<mlx version>``.
   Sessions of one mlx version share one such directory, kept across rows and runs
   (``~/.cache/mlx-lm-patches/mlx-tmp/<mlx version>``); two sessions writing the same cache at
-  once corrupt it, so rows are scheduled in groups by mlx version, one group per worker.
+  once corrupt it, so rows are scheduled in groups by mlx version, one group per worker,
+  longest group first by the seconds its rows took last time (``tools/matrix_durations.json``,
+  rewritten after every full run).
+* no ``--compile-bytecode``: sessions write the bytecode of what they import (see ``_env``).
 * Tests marked ``python_only`` (activation, the engine on a fake package, variables, the matrix
   file, CLI status/table) do not depend on mlx-lm: they run on one row per Python version, the
   newest mlx-lm row of that Python, and are deselected elsewhere (``-m "not python_only"``).
@@ -44,6 +47,7 @@ on 2 cores two sessions at a time are what fits the budget.
 
 import argparse
 import glob
+import json
 import os
 import re
 import shutil
@@ -63,6 +67,8 @@ PACKAGE_TESTS = {"mlx-vlm": ["tests/test_mlx_vlm_batching.py"], "vllm-mlx": ["te
 # package -> what its engine and server import beyond mlx-lm's and mlx-vlm's dependencies
 WITHOUT_DEPENDENCIES = {"vllm-mlx": ["jsonschema"]}
 PACKAGE_ROW_TESTS = ["tests/test_matrix_cells.py", "tests/test_cli.py"]
+# seconds each row's tests took in the last full runs: the order groups are scheduled in
+DURATIONS = REPO / "tools" / "matrix_durations.json"
 KERNEL_CACHES = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "mlx-lm-patches" / "mlx-tmp"
 
 
@@ -104,7 +110,12 @@ def counts(text: str, plain: bool = False):
 
 
 def _env() -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MLX_LM_PATCHES") and k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    """Sessions write bytecode as they import (``PYTHONDONTWRITEBYTECODE`` dropped): compiling
+    a whole venv at install (``--compile-bytecode``, mostly transformers, never imported) cost
+    ~12 s of CPU per row, taken from the tests running beside the install; without bytecode
+    at all every fresh interpreter of a test would compile what it imports again."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("MLX_LM_PATCHES") and k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONDONTWRITEBYTECODE")}
     env.update(UV_PYTHON_DOWNLOADS="never", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     return env
 
@@ -128,7 +139,7 @@ def prepare(row, wheel: Path, reuse: bool) -> tuple:
         if not (reuse and (venv / "bin" / "python").exists()):
             shutil.rmtree(venv, ignore_errors=True)
             rc = _step(out, ["uv", "venv", "-q", "-p", python, str(venv)], env)
-        install = ["uv", "pip", "install", "-q", "--compile-bytecode", "--python", str(venv / "bin" / "python")]
+        install = ["uv", "pip", "install", "-q", "--python", str(venv / "bin" / "python")]
         bare = [(name, version) for name, version in row["packages"] if name in WITHOUT_DEPENDENCIES]
         if rc == 0:
             rc = _step(out, [*install, "--reinstall-package", "mlx-lm-patches", f"{wheel}[cpu,test]",
@@ -255,12 +266,32 @@ def mark_mlx_twins(rows) -> None:
         row["mlx_twin"] = not row["packages"] and not row["upstream_tests"] and row["mlx_lm"] in own
 
 
-def groups_by_mlx(rows) -> list:
-    """Rows grouped by mlx version (they share a kernel cache), largest group first."""
+def load_durations() -> dict:
+    """``{row name: seconds}`` of the last full runs (``DURATIONS``, committed); {} if absent."""
+    try:
+        return {str(k): float(v) for k, v in json.loads(DURATIONS.read_text()).items()}
+    except (OSError, ValueError):
+        return {}
+
+
+def save_durations(results) -> None:
+    """Record the test seconds of rows that ran in full and passed (commit the file when the
+    order it gives changes)."""
+    known = load_durations()
+    known.update({r["name"]: round(r["seconds"]) for r in results if r["rc"] == 0})
+    DURATIONS.write_text(json.dumps(dict(sorted(known.items())), indent=1) + "\n")
+
+
+def groups_by_mlx(rows, durations) -> list:
+    """Rows grouped by mlx version (they share a kernel cache), longest group first: workers take
+    the next group when they finish one, so this is the longest-processing-time schedule, within
+    a few percent of the best split for 2 workers. A row never timed counts as the median row."""
+    typical = sorted(durations.values())[len(durations) // 2] if durations else 1.0
     groups = {}
     for row in rows:
         groups.setdefault(row["mlx"], []).append(row)
-    return sorted(groups.values(), key=len, reverse=True)
+    seconds = lambda group: sum(durations.get(row["name"], typical) for row in group)  # noqa: E731
+    return sorted(groups.values(), key=lambda group: (seconds(group), len(group)), reverse=True)
 
 
 def main() -> int:
@@ -292,7 +323,7 @@ def main() -> int:
     results = []
     started = time.monotonic()
 
-    groups = groups_by_mlx(rows)
+    groups = groups_by_mlx(rows, load_durations())
     prefetch = Prefetch(wheel, args.reuse, groups)
 
     def run_group(group):
@@ -309,6 +340,8 @@ def main() -> int:
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
         for future in [pool.submit(run_group, group) for group in groups]:
             results.extend(future.result())
+    if not args.pytest_args:
+        save_durations(results)
     bad = [r for r in results if r["rc"] != 0]
     for r in bad:
         print(f"\n===== {r['name']} (tail of {r['log'].relative_to(REPO)})")

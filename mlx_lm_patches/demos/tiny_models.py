@@ -847,14 +847,18 @@ def _inv_softplus(y):
     return y + mx.log(-mx.expm1(-y))
 
 
-def _is_constant(value) -> Optional[float]:
-    """The single value of ``value`` if all its entries are equal, else None."""
-    if value.size == 0:
-        return None
-    flat = value.reshape(-1).astype(mx.float32)
-    lo = flat.min().item()
-    hi = flat.max().item()
-    return lo if lo == hi else None
+def _constants(values) -> List[Optional[float]]:
+    """For each array, its single value if all its entries are equal, else None; one
+    evaluation for all of them (a model has hundreds of parameters)."""
+    bounds = [None if v.size == 0 else mx.stack([v.reshape(-1).astype(mx.float32).min(),
+                                                 v.reshape(-1).astype(mx.float32).max()])
+              for v in values]
+    mx.eval([b for b in bounds if b is not None])
+    out = []
+    for b in bounds:
+        lo, hi = (None, None) if b is None else b.tolist()
+        out.append(lo if b is not None and lo == hi else None)
+    return out
 
 
 def _fan_in(shape, owner) -> int:
@@ -908,8 +912,9 @@ _OVERRIDES: Dict[str, List[Tuple[str, _Init]]] = {
 }
 
 
-def _init_value(model_type: str, path: str, value, owner, key, tied: bool):
-    """A deterministic replacement for the parameter ``path``."""
+def _init_value(model_type: str, path: str, value, owner, key, tied: bool, const: Optional[float]):
+    """A deterministic replacement for the parameter ``path`` (``const``: its single
+    value at construction, if all its entries are equal)."""
     shape = value.shape
     leaf = path.rsplit(".", 1)[-1]
 
@@ -935,8 +940,6 @@ def _init_value(model_type: str, path: str, value, owner, key, tied: bool):
         # puts a in roughly (0.6, 0.98)
         a = _uniform(key, shape, 0.6, 0.98)
         return _inv_softplus(-mx.log(a) / 4.0)
-
-    const = _is_constant(value)
 
     # --- normalisation layers ----------------------------------------------
     is_norm_owner = "Norm" in owner_name
@@ -970,6 +973,11 @@ def _init_value(model_type: str, path: str, value, owner, key, tied: bool):
     return _normal(key, shape, 1.0 / math.sqrt(_fan_in(shape, owner)))
 
 
+# (model class, model_type, seed, dtype, parameter layout) -> the values _randomize_parameters
+# chose: they depend on nothing else, and tests build the same tiny models again and again
+_VALUES: Dict[Tuple, List[Tuple[str, Any]]] = {}
+
+
 def _randomize_parameters(
     model: nn.Module, model_type: str, seed: int, dtype
 ) -> None:
@@ -977,19 +985,28 @@ def _randomize_parameters(
 
     modules = dict(model.named_modules())
     flat = tree_flatten(model.parameters())
-    tied = not any("lm_head" in path for path, _ in flat)
-    new_params = []
-    for path, value in flat:
-        if not isinstance(value, mx.array) or not mx.issubdtype(
-            value.dtype, mx.floating
-        ):
-            new_params.append((path, value))
-            continue
-        owner = modules.get(path.rsplit(".", 1)[0]) if "." in path else model
-        key = _key_for(seed, path)
-        new = _init_value(model_type, path, value, owner, key, tied)
-        new_params.append((path, new.astype(dtype)))
-    model.load_weights(new_params, strict=True)
+    owners = {path: modules.get(path.rsplit(".", 1)[0]) if "." in path else model for path, _ in flat}
+    layout = tuple((path, tuple(v.shape), str(v.dtype), type(owners[path]).__name__)
+                   for path, v in flat if isinstance(v, mx.array))
+    cls = type(model)
+    key = (cls.__module__, cls.__qualname__, model_type, int(seed), str(dtype), layout)
+    if key not in _VALUES:
+        tied = not any("lm_head" in path for path, _ in flat)
+        floating = [(path, value) for path, value in flat
+                    if isinstance(value, mx.array) and mx.issubdtype(value.dtype, mx.floating)]
+        consts = dict(zip((path for path, _ in floating), _constants([v for _, v in floating])))
+        new_params = []
+        for path, value in flat:
+            if path not in consts:
+                new_params.append((path, value))
+                continue
+            new = _init_value(model_type, path, value, owners[path], _key_for(seed, path), tied, consts[path])
+            new_params.append((path, new.astype(dtype)))
+        mx.eval([v for _, v in new_params if isinstance(v, mx.array)])
+        _VALUES[key] = new_params
+    # copies: a test that assigns into a parameter must not change the next model's
+    model.load_weights([(path, mx.array(v) if isinstance(v, mx.array) else v) for path, v in _VALUES[key]],
+                       strict=True)
 
 
 def build_tiny_model(model_type: str, seed: int = 0, dtype=mx.float32) -> nn.Module:
