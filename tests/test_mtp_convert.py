@@ -30,7 +30,10 @@ FAMILIES = [f for f in ("qwen3_next", "qwen3_5", "nemotron_h")
 # (family, how): every family unquantized, 4-bit (the release's defaults) and with a mixed
 # recipe; on Qwen3-Next also 8-bit with group size 32 and mxfp4.
 CASES = ([(f, how) for f in FAMILIES for how in ("fp", "q4", "mixed_3_6")]
-         + [("qwen3_next", how) for how in ("q8g32", "mxfp4")])
+         + [("qwen3_next", how) for how in ("q8g32", "mxfp4")]
+         # DeepSeek-V3 layout: the head is the layer after the last; one case per family
+         + [(f, how) for f, how in (("deepseek_v3", "q4"), ("glm4_moe", "q4"), ("glm4_moe_lite", "fp"))
+            if importlib.util.find_spec(f"mlx_lm.models.{f}") is not None])
 
 
 def _head_full_precision(path, module):
@@ -153,6 +156,13 @@ SAME_KIND = {
                 ("language_model.model.layers.{i}.mlp.down_proj", "layers.0.mlp.down_proj")],
     "nemotron_h": [("backbone.layers.{i}.mixer.q_proj", "layers.0.mixer.q_proj"),
                    ("backbone.layers.{i}.mixer.o_proj", "layers.0.mixer.o_proj")],
+    "deepseek_v3": [("model.layers.{i}.self_attn.q_a_proj", "layers.0.self_attn.q_a_proj"),
+                    ("model.layers.{i}.self_attn.kv_a_proj_with_mqa", "layers.0.self_attn.kv_a_proj_with_mqa"),
+                    ("model.layers.{i}.self_attn.o_proj", "layers.0.self_attn.o_proj"),
+                    ("model.layers.{i}.mlp.switch_mlp.gate_proj", "layers.0.mlp.switch_mlp.gate_proj")],
+    "glm4_moe": [("model.layers.{i}.self_attn.q_proj", "layers.0.self_attn.q_proj"),
+                 ("model.layers.{i}.self_attn.o_proj", "layers.0.self_attn.o_proj"),
+                 ("model.layers.{i}.mlp.switch_mlp.gate_proj", "layers.0.mlp.switch_mlp.gate_proj")],
 }
 
 

@@ -16,8 +16,10 @@ from mlx_lm_patches.demos.mtp_checkpoints import write_mtp_checkpoint
 
 mlx_lm_patches.apply()
 
-FAMILIES = [f for f in ("qwen3_next", "qwen3_5", "qwen3_5_moe", "nemotron_h")
+FAMILIES = [f for f in ("qwen3_next", "qwen3_5", "qwen3_5_moe", "nemotron_h", "deepseek_v3", "glm4_moe",
+                        "glm4_moe_lite")
             if importlib.util.find_spec(f"mlx_lm.models.{f}") is not None]
+DEEPSEEK_LAYOUT = ("deepseek_v3", "glm4_moe", "glm4_moe_lite")
 
 
 def _rms(x, weight, eps):
@@ -47,6 +49,12 @@ def _one_step_model(model, config, head, fused):
                   for k, v in tree_flatten(layer.parameters())
                   if k.startswith(("norm.", "mixer."))}
         final_norm = head.layers[-1].final_layernorm.weight
+        main_head = model.lm_head
+    elif model.model_type in DEEPSEEK_LAYOUT:
+        config["num_hidden_layers"], config["first_k_dense_replace"] = 1, 0  # the head's MoE layer
+        prefix, embed, norm, lm_head = "model.", "model.embed_tokens.weight", "model.norm.weight", "lm_head"
+        blocks = {f"layers.0.{k}": v for k, v in tree_flatten(head.layers[0].parameters())}
+        final_norm = head.shared_head.norm.weight
         main_head = model.lm_head
     else:
         text["num_hidden_layers"], text["full_attention_interval"] = 1, 1  # one full-attention layer
@@ -90,6 +98,10 @@ def test_mtp_forward_is_the_documented_head(tmp_path, family):
         first = model.mtp.layers[0]
         embedding_norm, hidden_norm, projection = first.enorm, first.hnorm, first.eh_proj
         embedded = model.backbone.embeddings(next_ids)
+    elif family in DEEPSEEK_LAYOUT:
+        head = model.mtp
+        embedding_norm, hidden_norm, projection = head.enorm, head.hnorm, head.eh_proj
+        embedded = model.model.embed_tokens(next_ids)
     else:
         head = model.mtp
         embedding_norm, hidden_norm, projection = head.pre_fc_norm_embedding, head.pre_fc_norm_hidden, head.fc

@@ -21,6 +21,12 @@ weights include an MTP head:
   ``dtype``: of the floating-point tensors written (default ``"bfloat16"``; ``"float32"`` for
   decoding on CPU, where mlx's MoE kernels need float32).
 
+``deepseek_v3``, ``glm4_moe`` and ``glm4_moe_lite`` (three layers) get the DeepSeek-V3 layout: in
+HF form the head is ``model.layers.3`` (``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm``,
+the decoder layer with one tensor per expert and multi-head latent attention's ``kv_b_proj``, and
+copies of the embedding and output head), the backbone's experts per expert and ``kv_b_proj``
+unsplit as well.
+
 ``nemotron_h`` gets the Nemotron 3 Super head layout (``mtp_hybrid_override_pattern`` ``"*E"``:
 an attention block holding ``enorm``/``hnorm``/``eh_proj``, then an MoE block holding
 ``final_layernorm``; the config gains the MoE settings the head needs). Releases whose
@@ -143,6 +149,42 @@ def _to_hf(family, params, *, shift_suffixes=QWEN_NORM_SUFFIXES, shift_all_norms
     return out
 
 
+DEEPSEEK_LAYOUT = ("deepseek_v3", "glm4_moe", "glm4_moe_lite")  # the head is layer num_hidden_layers
+
+
+def _deepseek_to_hf(params):
+    """Invert mlx-lm's DeepSeek-V3-layout ``sanitize``: stacked experts back to one tensor per
+    expert, and multi-head latent attention's ``embed_q`` / ``unembed_out`` back to the
+    ``kv_b_proj`` they were split from (where this release splits it)."""
+    import mlx.core as mx
+
+    out = {}
+    for key, value in params.items():
+        if ".switch_mlp." in key:
+            prefix, rest = key.split(".switch_mlp.")
+            proj, leaf = rest.split(".")
+            for e in range(value.shape[0]):
+                out[f"{prefix}.experts.{e}.{proj}.{leaf}"] = value[e]
+        elif key.endswith(".self_attn.embed_q.weight"):
+            prefix = key[: -len("embed_q.weight")]
+            unembed = params[prefix + "unembed_out.weight"]  # (heads, v_head_dim, kv_lora_rank)
+            stacked = mx.concatenate([value.swapaxes(-1, -2), unembed], axis=1)
+            out[prefix + "kv_b_proj.weight"] = stacked.reshape(-1, stacked.shape[-1])
+        elif not key.endswith(".self_attn.unembed_out.weight"):
+            out[key] = value
+    return out
+
+
+def _deepseek_head_to_hf(head_params, backbone, depth):
+    """The head as the checkpoint's layer ``depth`` (Hugging Face names and layout), with the
+    copies of the shared embedding and output head that DeepSeek-V3 and GLM checkpoints ship."""
+    layer = {(k[len("layers.0."):] if k.startswith("layers.0.") else k): v for k, v in head_params.items()}
+    out = {f"model.layers.{depth}.{k}": v for k, v in _deepseek_to_hf(layer).items()}
+    out[f"model.layers.{depth}.embed_tokens.weight"] = backbone["model.embed_tokens.weight"]
+    out[f"model.layers.{depth}.shared_head.head.weight"] = backbone["lm_head.weight"]
+    return out
+
+
 def _declare(config, family, layers):
     config = copy.deepcopy(config)
     if family in ("qwen3_5", "qwen3_5_moe"):
@@ -191,7 +233,10 @@ def write_mtp_checkpoint(root, family, *, form="mlx", quantized=False, placement
     mx.eval(model.parameters(), head.parameters())
     backbone = _cast(dict(tree_flatten(model.parameters())), dtype)
     head_params = _cast(dict(tree_flatten(head.parameters())), dtype)
-    if form == "hf":
+    if form == "hf" and family in DEEPSEEK_LAYOUT:  # the head is the layer after the last
+        weights = _deepseek_to_hf(backbone)
+        mtp = _deepseek_head_to_hf(head_params, backbone, config["num_hidden_layers"])
+    elif form == "hf":
         qwen = family != "nemotron_h"  # Nemotron-H stores norms as used
         weights = _to_hf(family, backbone, shift_suffixes=QWEN_NORM_SUFFIXES if qwen else ())
         mtp = {f"mtp.{k}": v for k, v in _to_hf(family, head_params, shift_all_norms=qwen,

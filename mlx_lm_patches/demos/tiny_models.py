@@ -741,6 +741,57 @@ def _cfg_llama() -> Dict[str, Any]:
     }
 
 
+# DeepSeek-V3-layout MoE models (attention only; their MTP heads are what they are built for):
+# three layers, not DeepSeek-V3's 61, the first dense, the others MoE; multi-head latent
+# attention for deepseek_v3 and glm4_moe_lite, grouped-query attention for glm4_moe.
+_DEEPSEEK_MOE = {
+    "vocab_size": _VOCAB,
+    "hidden_size": _HIDDEN,
+    "intermediate_size": _FFN,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 3,
+    "num_attention_heads": _HEADS,
+    "n_shared_experts": 1,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "routed_scaling_factor": 1.0,
+    "topk_method": "noaux_tc",
+    "scoring_func": "sigmoid",
+    "norm_topk_prob": True,
+    "n_group": 1,
+    "topk_group": 1,
+    "moe_layer_freq": 1,
+    "first_k_dense_replace": 1,
+    "max_position_embeddings": _MAX_POS,
+    "rope_theta": 10000.0,
+    "rope_scaling": None,
+    "attention_bias": False,
+    "tie_word_embeddings": False,
+}
+_MLA = {
+    "num_key_value_heads": _HEADS,
+    "kv_lora_rank": 32,
+    "q_lora_rank": 48,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 16,
+    "v_head_dim": 16,
+}
+
+
+def _cfg_deepseek_v3() -> Dict[str, Any]:
+    return dict(_DEEPSEEK_MOE, **_MLA, model_type="deepseek_v3", rms_norm_eps=1e-6)
+
+
+def _cfg_glm4_moe_lite() -> Dict[str, Any]:
+    return dict(_DEEPSEEK_MOE, **_MLA, model_type="glm4_moe_lite", rms_norm_eps=1e-5,
+                partial_rotary_factor=1.0)
+
+
+def _cfg_glm4_moe() -> Dict[str, Any]:
+    return dict(_DEEPSEEK_MOE, model_type="glm4_moe", num_key_value_heads=_KV_HEADS, head_dim=_HEAD_DIM,
+                rms_norm_eps=1e-5, use_qk_norm=True, attention_bias=True, partial_rotary_factor=0.5)
+
+
 _CONFIGS: Dict[str, Callable[[], Dict[str, Any]]] = {
     "qwen3_next": _cfg_qwen3_next,
     "qwen3_5": _cfg_qwen3_5,
@@ -767,6 +818,9 @@ _CONFIGS: Dict[str, Callable[[], Dict[str, Any]]] = {
     "gear": _cfg_gear,
     "longcat_flash_ngram": _cfg_longcat_flash_ngram,
     "llama": _cfg_llama,
+    "deepseek_v3": _cfg_deepseek_v3,
+    "glm4_moe": _cfg_glm4_moe,
+    "glm4_moe_lite": _cfg_glm4_moe_lite,
 }
 
 

@@ -1,5 +1,6 @@
 """Checkpoints with multi-token-prediction (MTP) tensors load, with the backbone intact and the
-MTP head kept (Qwen3-Next, Qwen3.5/3.6 dense and MoE, Nemotron-H).
+MTP head kept (Qwen3-Next, Qwen3.5/3.6 dense and MoE, Nemotron-H; DeepSeek-V3, GLM-4.5/4.6/4.7
+and GLM-4.7-Flash, whose head is the layer after the backbone's last).
 
 Bug
     mlx-lm has no module for the MTP head that Qwen3-Next, Qwen3.5/3.6 and Nemotron-H
@@ -11,6 +12,9 @@ Bug
       treat MLX-format weights as HF ones and add 1.0 to every backbone norm weight - a
       silently corrupted model. (For HF-layout weights that same signal is right: they keep it.)
     * nemotron_h <= 0.31.1: no filter at all, the load fails like qwen3_next.
+    * deepseek_v3 (every release): ``sanitize`` drops ``model.layers.61`` - DeepSeek-V3's own
+      depth - so a checkpoint of the architecture with another depth that ships its MTP layer
+      fails the same way; glm4_moe and glm4_moe_lite drop the layer.
     * everywhere else the head is dropped without a word; an ``mtp.safetensors`` sidecar is
       never read.
 
@@ -18,7 +22,10 @@ Fix
     Wrap each family's ``Model.sanitize`` so the ``mtp.`` tensors are set aside before the stock
     code sees them (that alone removes the crash and the corruption; for Qwen3.5 weights in HF
     layout one ``mtp.`` tensor still goes along, so stock's "HF checkpoint: shift the norms"
-    decision - which it bases on them - stays its own), and wrap
+    decision - which it bases on them - stays its own; for the DeepSeek-V3 layout the layers
+    past ``num_hidden_layers`` are set aside and run through the release's own ``sanitize``
+    under an index it processes, so the head's experts, latent attention and fp8 weights are
+    converted exactly as the backbone's), and wrap
     ``mlx_lm.utils.load_model`` - the function every load path goes through - to build the head
     from the family's own blocks (``mtp_families``), convert the tensors to mlx-lm's layout (per
     tensor: key prefixes, per-expert/fused/stacked experts, zero-centred or shifted Qwen norms),
@@ -36,6 +43,7 @@ Affected
 Upstream
     https://github.com/ml-explore/mlx-lm/blob/v0.32.2/mlx_lm/models/qwen3_next.py (``sanitize``);
     https://github.com/ml-explore/mlx-lm/blob/v0.31.3/mlx_lm/models/qwen3_5.py (norm shift);
+    https://github.com/ml-explore/mlx-lm/blob/v0.32.2/mlx_lm/models/deepseek_v3.py (``layers.61``);
     https://github.com/ml-explore/mlx-lm/pull/990 (MTP support, open).
 
 Retire
@@ -48,14 +56,21 @@ Metal
 from mlx_lm_patches.engine.contract import NotNeeded, Outcome
 
 UTILS = "mlx_lm.utils"
-FAMILY_MODULES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "nemotron_h")
+FAMILY_MODULES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "nemotron_h", "deepseek_v3", "glm4_moe", "glm4_moe_lite")
 
 
 def _sanitize_without_mtp(wrapped, instance, args, kwargs):
-    from mlx_lm_patches.mechanisms.mtp.heads import for_stock_sanitize, split, stash
+    from mlx_lm_patches.mechanisms.mtp.families import family_of
+    from mlx_lm_patches.mechanisms.mtp.heads import SOURCE, for_stock_sanitize, split, stash
 
     weights = args[0] if args else kwargs.pop("weights")
     backbone, mtp = split(weights)
+    family = family_of(instance)
+    if hasattr(family, "split_checkpoint"):  # the head is a layer past the backbone's last
+        backbone, layer = family.split_checkpoint(instance, backbone, lambda w: wrapped(w, *args[1:], **kwargs))
+        if layer:
+            instance.__dict__[SOURCE] = f"the checkpoint's layer model.layers.{instance.args.num_hidden_layers}"
+        mtp = dict(mtp, **layer)
     if instance is not None:
         stash(instance, mtp)
     return wrapped(for_stock_sanitize(instance, backbone, mtp), *args[1:], **kwargs)

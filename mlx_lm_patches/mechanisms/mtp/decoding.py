@@ -268,7 +268,8 @@ def mtp_forward(model, hidden, next_ids, cache, fusion="embedding-first"):
     normed = hidden_norm(hidden)
     halves = [embedded, normed] if fusion == "embedding-first" else [normed, embedded]
     z = projection(mx.concatenate(halves, axis=-1))
-    mask = create_attention_mask(z, cache[0]) if cache else None
+    own_mask = getattr(family, "attention_mask", None)
+    mask = (own_mask(z, cache) if own_mask else create_attention_mask(z, cache[0])) if cache else None
     z = family.run_layers(head, z, mask, cache)
     out = family.head_norm(head)(z)
     return family.logits(model, out), out

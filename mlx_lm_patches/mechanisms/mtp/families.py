@@ -18,6 +18,17 @@ layers (attention layers with their own KV cache), the head's final norm, the sh
   ``final_layernorm``. Norms are stored as used (no shift); experts per expert
   (``experts.{e}.up_proj`` / ``down_proj``) are stacked into ``switch_mlp.fc1`` / ``fc2`` as
   mlx-lm's own ``sanitize`` does for the backbone. Same layout in vLLM's ``nemotron_h_mtp.py``.
+* DeepSeek-V3 layout (deepseek_v3, glm4_moe, glm4_moe_lite): the head is the checkpoint's layer
+  ``model.layers.{num_hidden_layers}``: ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm``
+  and a decoder layer of the family (``self_attn``, ``mlp``, the two layer norms). Its tensors
+  are in the family's Hugging Face layout, so they go through the release's own ``sanitize``
+  under an index it processes (expert stacking, ``kv_b_proj`` split, fp8 dequantization: the
+  head's layer ends up exactly as the backbone's would). Followed: the DeepSeek-V3 Technical
+  Report (arXiv:2412.19437, section 2.2: each MTP module shares the main model's embedding and
+  output head and combines the normalized hidden state and the normalized embedding of the next
+  token by a linear projection) and vLLM's ``deepseek_mtp.py`` (the tensor names, the embedding
+  half first, the main model's final hidden state as input, ``shared_head.norm`` before the
+  output head).
 """
 
 import re
@@ -230,7 +241,106 @@ class NemotronH:
         return model.args.vocab_size
 
 
-FAMILIES = {name: family for family in (Qwen(), NemotronH()) for name in family.names}
+class DeepSeekV3:
+    """DeepSeek-V3, GLM-4.5/4.6/4.7 (glm4_moe), GLM-4.7-Flash (glm4_moe_lite): the MTP layer at
+    index ``num_hidden_layers``, built from the family's own decoder layer."""
+
+    names = ("deepseek_v3", "glm4_moe", "glm4_moe_lite")
+    _FUSION = ("enorm.", "hnorm.", "eh_proj.", "shared_head.norm.")
+    # the checkpoint's copies of what the head shares with the model (the report: shared)
+    SHARED = ("embed_tokens.", "shared_head.head.")
+
+    @staticmethod
+    def _inner(model):
+        return model.model
+
+    def split_checkpoint(self, model, weights, stock_sanitize):
+        """``(backbone, head)``: the tensors of layers ``>= num_hidden_layers`` are the head's; they
+        go through ``stock_sanitize`` (the release's own) as layer ``i`` of the backbone would, and
+        come back as ``mtp.``-prefixed head parameters (``mtp.layers.{i}.…``, ``mtp.enorm.…``)."""
+        depth = model.args.num_hidden_layers
+        pattern = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+        backbone, by_layer = {}, {}
+        for key, value in weights.items():
+            match = pattern.match(key)
+            if match and int(match.group(1)) >= depth:
+                by_layer.setdefault(int(match.group(1)) - depth, {})[match.group(2)] = value
+            else:
+                backbone[key] = value
+        head = {}
+        for i, tensors in sorted(by_layer.items()):
+            # everything but the shared copies through stock (fp8 dequantization covers eh_proj too)
+            own = {f"model.layers.{i}.{k}": v for k, v in tensors.items() if not k.startswith(self.SHARED)}
+            converted = {key[len(f"model.layers.{i}."):]: v for key, v in stock_sanitize(own).items()}
+            converted.update({k: v for k, v in tensors.items() if k.startswith(self.SHARED)})
+            for key, value in converted.items():
+                fusion = i == 0 and key.startswith(self._FUSION + self.SHARED)
+                head[f"mtp.{key}" if fusion else f"mtp.layers.{i}.{key}"] = value
+        return backbone, head
+
+    def build(self, model, config, weights, n_layers):
+        import mlx.nn as nn
+
+        if n_layers != 1:
+            raise HeadUnsupported(f"{n_layers} MTP layers; heads of the DeepSeek-V3 layout are kept with one")
+        args = model.args
+        hidden, eps = args.hidden_size, args.rms_norm_eps
+        layer_class = type(self._inner(model).layers[0])
+        head = nn.Module()
+        head.enorm = nn.RMSNorm(hidden, eps=eps)
+        head.hnorm = nn.RMSNorm(hidden, eps=eps)
+        head.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
+        head.shared_head = nn.Module()
+        head.shared_head.norm = nn.RMSNorm(hidden, eps=eps)
+        # its index decides dense or MoE as for the backbone (past first_k_dense_replace: MoE)
+        head.layers = [layer_class(args, args.num_hidden_layers)]
+        return head
+
+    def convert(self, tensors, mlx_layout=False):
+        """Already in mlx-lm's layout (``split_checkpoint``, or a sidecar); the checkpoint's copies
+        of the shared embedding and output head are left out."""
+        return {k: v for k, v in tensors.items() if not k.startswith(self.SHARED)}
+
+    def fusion(self, head):
+        return head.enorm, head.hnorm, head.eh_proj
+
+    def attention_layers(self, head):
+        return list(head.layers)
+
+    def attention_mask(self, z, cache):
+        """An array mask where the release has them (multi-head latent attention adds its
+        positional scores to the mask, so it needs one; an array is exact for the others)."""
+        from mlx_lm.models.base import create_attention_mask
+
+        try:
+            return create_attention_mask(z, cache[0], return_array=True)
+        except TypeError:  # releases before return_array: what the family's own model passes
+            return create_attention_mask(z, cache[0])
+
+    def run_layers(self, head, z, mask, cache):
+        for layer, layer_cache in zip(head.layers, cache):
+            z = layer(z, mask=mask, cache=layer_cache)
+        return z
+
+    def head_norm(self, head):
+        return head.shared_head.norm
+
+    def embed(self, model, ids):
+        return self._inner(model).embed_tokens(ids)
+
+    def final_norm(self, model):
+        return self._inner(model).norm
+
+    def logits(self, model, out):
+        if getattr(model.args, "tie_word_embeddings", False) and not hasattr(model, "lm_head"):
+            return self._inner(model).embed_tokens.as_linear(out)
+        return model.lm_head(out)
+
+    def vocab_size(self, model):
+        return model.args.vocab_size
+
+
+FAMILIES = {name: family for family in (Qwen(), NemotronH(), DeepSeekV3()) for name in family.names}
 
 
 def family_of(model):

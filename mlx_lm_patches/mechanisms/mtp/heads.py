@@ -10,6 +10,8 @@ tensors from whichever layout the checkpoint uses to mlx-lm's, and loads them st
 Layouts accepted, per tensor (checkpoints mix them):
 
 * key prefixes ``mtp.``, ``model.mtp.``, ``language_model.mtp.``, ``model.language_model.mtp.``;
+  for the DeepSeek-V3 layout also the layer ``model.layers.{num_hidden_layers}`` (the family's
+  ``split_checkpoint`` turns it into ``mtp.`` tensors in mlx-lm's layout);
 * experts per expert (``experts.{e}.gate_proj.weight``, HF Qwen3-Next/3.5, Nemotron-H), fused
   (``experts.gate_up_proj`` / ``experts.down_proj``, HF Qwen3.6-style) or stacked
   (``switch_mlp.*``, MLX);
@@ -37,6 +39,7 @@ from mlx_lm_patches.mechanisms.mtp.families import FAMILIES, HeadUnsupported, fa
 
 MTP_KEY = re.compile(r"(^|\.)mtp\.")
 STASH = "_mlx_lm_patches_mtp_tensors"
+SOURCE = "_mlx_lm_patches_mtp_source"  # where the stashed tensors came from, if not mtp.* keys
 SIDECAR = "mtp.safetensors"  # outside mlx-lm's ``model*.safetensors`` glob: stock never reads it
 SIDECARS = (SIDECAR,)  # model-mtp.safetensors is already read by mlx-lm's glob
 # Metadata of the sidecar ``save_sidecar`` writes: its tensors are in mlx-lm's layout already (Qwen
@@ -170,7 +173,7 @@ def attach(model, model_path, config, lazy=False) -> None:
     import mlx.core as mx
 
     tensors = dict(model.__dict__.pop(STASH, {}))
-    sources = ["the checkpoint's mtp.* keys"] if tensors else []
+    sources = [model.__dict__.pop(SOURCE, "the checkpoint's mtp.* keys")] if tensors else []
     mlx_layout = False
     for name in SIDECARS:
         path = pathlib.Path(model_path) / name
@@ -197,6 +200,7 @@ def attach(model, model_path, config, lazy=False) -> None:
         )
         return
     weights = to_mlx_layout(tensors, model, mlx_layout=mlx_layout)
+    shared = [k for k in tensors if k.startswith(tuple(f"mtp.{p}" for p in getattr(family_of(model), "SHARED", ())))]
     # Qwen: one decoder layer per MTP layer; Nemotron-H: one step made of several blocks.
     steps = (declared or 1) if model_type == "nemotron_h" else (_layer_count(weights) or max(declared, 1))
     try:
@@ -213,7 +217,9 @@ def attach(model, model_path, config, lazy=False) -> None:
         mx.eval(head.parameters())
     model.__dict__["mtp"] = head
     model.__dict__["mtp_status"] = (f"MTP head kept: {len(head.layers)} layer(s), {len(weights)} tensors, "
-                                    f"from {' and '.join(sources)}")
+                                    f"from {' and '.join(sources)}"
+                                    + (f"; embedding and output head shared with the model (the checkpoint's "
+                                       f"{len(shared)} copies of them not loaded)" if shared else ""))
 
 
 def _strict_load(head, weights) -> Optional[str]:
