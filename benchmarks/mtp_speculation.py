@@ -1,6 +1,6 @@
 """MTP self-speculative decoding vs greedy decoding, side by side in one run.
 
-    python benchmarks/mtp_speculation.py [--model-type qwen3_5] [--tokens 64]
+    python benchmarks/mtp_speculation.py [--model-types qwen3_5 deepseek_v3 glm4_moe] [--tokens 64]
 
 A tiny float32 checkpoint with an MTP head is written and loaded (``mlx_lm.load``, patches on).
 A random head never agrees with a random model, so the acceptance rate is controlled: the draft
@@ -10,7 +10,9 @@ model's true next greedy token instead (known from a reference run). For each ``
 through mlx-lm's own loop vs greedy ``generate_step`` as a ratio, whether the tokens are
 identical, and ``(1+a)/(2-a)``, the ratio for one draft token per round if a round cost two
 greedy steps. Then the cost split of one round: a draft step, the verify pass, and the rollback
-after a rejection (restore + replay).
+after a rejection (restore, and the tokens the next forward pass replays: none for
+attention-only models such as the DeepSeek-V3 layout, whose caches trim exactly).
+Every model type given is run, one after another, in the same process.
 
 Tiny models on whatever device mlx uses (CPU on Linux): only the ratios mean anything.
 Run by hand; tests never assert on speed.
@@ -107,6 +109,8 @@ def cost_split(model, args):
         journal.detach()
         return spent
 
+    replays = {}
+
     def rollback(k):
         cache, journal = prepared()
         journal.forward(mx.array([[5] * (k + 1)]), cache)
@@ -115,6 +119,7 @@ def cost_split(model, args):
         trim_prompt_cache(cache, k)
         mx.eval([c.state for c in cache])
         spent = time.perf_counter() - start
+        replays[k] = journal.position - journal.pos  # replayed by the next pass before its own tokens
         journal.detach()
         return spent
 
@@ -134,12 +139,15 @@ def cost_split(model, args):
     print(f"  draft step (recycled)        {best(draft_step) / step:>5.2f}")
     for k in (1, 2):
         print(f"  verify pass of {k + 1} tokens     {best(verify, k) / step:>5.2f}")
-        print(f"  rollback of {k} rejected token{'s' if k > 1 else ' '} {best(rollback, k) / step:>5.2f}  (restore + replay of 1 token)")
+        cost = best(rollback, k) / step
+        replayed = replays[k]
+        print(f"  rollback of {k} rejected token{'s' if k > 1 else ' '} {cost:>5.2f}  (restore; the next pass replays "
+              f"{replayed} token{'' if replayed == 1 else 's'}{': no model call' if not replayed else ''})")
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model-type", default="qwen3_5")
+    parser.add_argument("--model-types", nargs="+", default=["qwen3_5", "deepseek_v3", "glm4_moe"])
     parser.add_argument("--shares", type=float, nargs="+", default=[0.0, 0.5, 0.8, 1.0])
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
@@ -153,14 +161,15 @@ def main():
     from mlx_lm_patches.engine import versions
     from mlx_lm_patches.demos.mtp_checkpoints import write_mtp_checkpoint
 
-    with tempfile.TemporaryDirectory() as tmp:
-        model, _ = load(str(write_mtp_checkpoint(tmp, args.model_type, dtype="float32").folder))
-    print(f"mlx-lm {versions.mlx_lm().describe()}, mlx {versions.mlx().describe()}, {args.model_type} (tiny)")
-    print(f"{'p':>6} {'draft':>5} {'a':>9} {'greedy tok/s':>13} {'spec tok/s':>11} {'ratio':>7} "
-          f"{'(1+a)/(2-a)':>8}  exact")
-    for share in args.shares:
-        compare(model, share, args)
-    cost_split(model, args)
+    for model_type in args.model_types:
+        with tempfile.TemporaryDirectory() as tmp:
+            model, _ = load(str(write_mtp_checkpoint(tmp, model_type, dtype="float32").folder))
+        print(f"\nmlx-lm {versions.mlx_lm().describe()}, mlx {versions.mlx().describe()}, {model_type} (tiny)")
+        print(f"{'p':>6} {'draft':>5} {'a':>9} {'greedy tok/s':>13} {'spec tok/s':>11} {'ratio':>7} "
+              f"{'(1+a)/(2-a)':>8}  exact")
+        for share in args.shares:
+            compare(model, share, args)
+        cost_split(model, args)
 
 
 if __name__ == "__main__":
