@@ -83,23 +83,13 @@ def test_draft_proposals_are_the_heads_predictions_at_the_committed_position(loa
     import mlx.core as mx
     from mlx_lm.generate import speculative_generate_step
 
-    from mlx_lm_patches.mechanisms.mtp.decoding import MTPDraft, mtp_forward
-    from support.mtp_drafts import hinted_draft
+    from mlx_lm_patches.mechanisms.mtp.decoding import mtp_forward
+    from support.mtp_drafts import hinted_draft, recording_draft
 
     model = loaded[family][0]
     proposals = []
-
-    class Recording(MTPDraft):
-        def __call__(self, inputs, cache=None, **kwargs):
-            committed = self.capture.committed(cache[0].since)
-            new_round = cache[0].round_of != committed
-            logits = super().__call__(inputs, cache=cache, **kwargs)
-            if new_round and committed:
-                proposals.append((committed, logits[0, -1]))
-            return logits
-
     prompt = prompt_tokens(15, seed=9)
-    draft = Recording(model)
+    draft = recording_draft(model, proposals)
     if hinted:
         draft = hinted_draft(model, prompt + greedy(model, prompt, max_tokens=10).tokens, draft=draft)
     steps = list(speculative_generate_step(mx.array(prompt), model, draft, num_draft_tokens=2, max_tokens=10))

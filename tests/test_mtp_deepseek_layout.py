@@ -116,28 +116,19 @@ def test_a_derivable_head_proposes_the_main_models_prediction(written, family):
     from mlx_lm import load
     from mlx_lm.generate import speculative_generate_step
 
-    from mlx_lm_patches.mechanisms.mtp.decoding import MTPDraft
+    from support.mtp_drafts import recording_draft
 
     model = load(str(written(family, "hf").folder))[0]
     _derivable(model)
     proposals = []
-
-    class Recording(MTPDraft):
-        def __call__(self, inputs, cache=None, **kwargs):
-            committed = self.capture.committed(cache[0].since)
-            new_round = cache[0].round_of != committed
-            logits = super().__call__(inputs, cache=cache, **kwargs)
-            if new_round and committed:
-                proposals.append((committed, int(mx.argmax(logits[0, -1]).item())))
-            return logits
-
     prompt = prompt_tokens(15, seed=9)
-    steps = list(speculative_generate_step(mx.array(prompt), model, Recording(model), num_draft_tokens=2,
-                                           max_tokens=12))
+    steps = list(speculative_generate_step(mx.array(prompt), model, recording_draft(model, proposals),
+                                           num_draft_tokens=2, max_tokens=12))
     sequence = prompt + [int(t) for t, _, _ in steps]
     assert [int(t) for t, _, _ in steps] == greedy(model, prompt, max_tokens=12).tokens
     predicted = mx.argmax(model(mx.array(sequence)[None])[0], axis=-1).tolist()  # at each position
     assert len(proposals) >= 4
-    for committed, proposal in proposals:
+    for committed, row in proposals:
         # the head read h_{C-1} and x_C: it must propose what the main model predicts from h_{C-1}
+        proposal = int(mx.argmax(row).item())
         assert proposal == predicted[committed - 1], (committed, proposal, predicted[committed - 1])

@@ -35,3 +35,23 @@ def hinted_draft(model, sequence, hint=lambda target: target % 3 != 0, draft=Non
 
     draft.__class__ = Hinted
     return draft
+
+
+def recording_draft(model, proposals, **kwargs):
+    """The model's MTP draft (``MTPDraft(model, **kwargs)``), appending ``(committed, logits)``
+    to ``proposals`` for the first proposal of every round after the first token: ``committed``
+    is how many positions the main model had committed, ``logits`` the head's row for the
+    proposal (made from the main hidden state at ``committed - 1`` and the token at
+    ``committed``)."""
+    from mlx_lm_patches.mechanisms.mtp.decoding import MTPDraft
+
+    class Recording(MTPDraft):
+        def __call__(self, inputs, cache=None, **call_kwargs):
+            committed = self.capture.committed(cache[0].since)
+            new_round = cache[0].round_of != committed
+            logits = super().__call__(inputs, cache=cache, **call_kwargs)
+            if new_round and committed:
+                proposals.append((committed, logits[0, -1]))
+            return logits
+
+    return Recording(model, **kwargs)
