@@ -1,7 +1,7 @@
 """MTP self-speculative decoding: ``model.make_draft_model()`` (or ``--draft-model mtp``) as the
 draft of mlx-lm's own speculative loop equals greedy decoding of the model, for dense and MoE,
 hybrid MTP models (Qwen3-Next, Qwen3.5, Qwen3.5-MoE, Nemotron-H) and attention-only ones of the
-DeepSeek-V3 layout (DeepSeek-V3, GLM-4.5, GLM-4.7-Flash); the draft's proposals are the
+DeepSeek-V3 layout (DeepSeek-V3, GLM-4.5, GLM-4.7-Flash) and MiMo; the draft's proposals are the
 MTP head's predictions at the right positions;
 missing heads give clear errors. Checkpoints are tiny, float32, written to disk and loaded with
 ``mlx_lm.load``, patches on."""
@@ -17,7 +17,7 @@ from mlx_lm_patches.demos.mtp_checkpoints import write_mtp_checkpoint
 mlx_lm_patches.apply()
 
 FAMILIES = [f for f in ("qwen3_next", "qwen3_5", "qwen3_5_moe", "nemotron_h", "deepseek_v3", "glm4_moe",
-                        "glm4_moe_lite")
+                        "glm4_moe_lite", "mimo")
             if importlib.util.find_spec(f"mlx_lm.models.{f}") is not None]
 
 

@@ -17,9 +17,9 @@ from mlx_lm_patches.demos.mtp_checkpoints import write_mtp_checkpoint
 mlx_lm_patches.apply()
 
 FAMILIES = [f for f in ("qwen3_next", "qwen3_5", "qwen3_5_moe", "nemotron_h", "deepseek_v3", "glm4_moe",
-                        "glm4_moe_lite")
+                        "glm4_moe_lite", "mimo")
             if importlib.util.find_spec(f"mlx_lm.models.{f}") is not None]
-DEEPSEEK_LAYOUT = ("deepseek_v3", "glm4_moe", "glm4_moe_lite")
+EXTRA_LAYER = ("deepseek_v3", "glm4_moe", "glm4_moe_lite", "mimo")  # the head: one more decoder layer
 
 
 def _rms(x, weight, eps):
@@ -50,11 +50,11 @@ def _one_step_model(model, config, head, fused):
                   if k.startswith(("norm.", "mixer."))}
         final_norm = head.layers[-1].final_layernorm.weight
         main_head = model.lm_head
-    elif model.model_type in DEEPSEEK_LAYOUT:
-        config["num_hidden_layers"], config["first_k_dense_replace"] = 1, 0  # the head's MoE layer
+    elif model.model_type in EXTRA_LAYER:
+        config["num_hidden_layers"], config["first_k_dense_replace"] = 1, 0  # the head's (MoE) layer
         prefix, embed, norm, lm_head = "model.", "model.embed_tokens.weight", "model.norm.weight", "lm_head"
         blocks = {f"layers.0.{k}": v for k, v in tree_flatten(head.layers[0].parameters())}
-        final_norm = head.shared_head.norm.weight
+        final_norm = (head.final_layernorm if model.model_type == "mimo" else head.shared_head.norm).weight
         main_head = model.lm_head
     else:
         text["num_hidden_layers"], text["full_attention_interval"] = 1, 1  # one full-attention layer
@@ -98,7 +98,11 @@ def test_mtp_forward_is_the_documented_head(tmp_path, family):
         first = model.mtp.layers[0]
         embedding_norm, hidden_norm, projection = first.enorm, first.hnorm, first.eh_proj
         embedded = model.backbone.embeddings(next_ids)
-    elif family in DEEPSEEK_LAYOUT:
+    elif family == "mimo":  # input_proj(concat[hidden_layernorm(h), token_layernorm(e)])
+        head = model.mtp
+        embedding_norm, hidden_norm, projection = head.token_layernorm, head.hidden_layernorm, head.input_proj
+        embedded = model.model.embed_tokens(next_ids)
+    elif family in EXTRA_LAYER:
         head = model.mtp
         embedding_norm, hidden_norm, projection = head.enorm, head.hnorm, head.eh_proj
         embedded = model.model.embed_tokens(next_ids)
@@ -107,8 +111,8 @@ def test_mtp_forward_is_the_documented_head(tmp_path, family):
         embedding_norm, hidden_norm, projection = head.pre_fc_norm_embedding, head.pre_fc_norm_hidden, head.fc
         text = model if family == "qwen3_next" else model.language_model
         embedded = text.model.embed_tokens(next_ids)
-    fused = mx.concatenate([_rms(embedded, embedding_norm.weight, embedding_norm.eps),
-                            _rms(hidden, hidden_norm.weight, hidden_norm.eps)], axis=-1) @ projection.weight.T
+    halves = [_rms(embedded, embedding_norm.weight, embedding_norm.eps), _rms(hidden, hidden_norm.weight, hidden_norm.eps)]
+    fused = mx.concatenate(halves[::-1] if family == "mimo" else halves, axis=-1) @ projection.weight.T
     reference = _one_step_model(model, config, model.mtp, fused)
     expected = reference(mx.arange(fused.shape[1])[None])
     worst = mx.abs(logits - expected).max().item()

@@ -27,6 +27,9 @@ the decoder layer with one tensor per expert and multi-head latent attention's `
 copies of the embedding and output head), the backbone's experts per expert and ``kv_b_proj``
 unsplit as well.
 
+``mimo`` (two layers) in HF form stores its head as ``model.mtp_layers.0.*`` (``token_layernorm``,
+``hidden_layernorm``, ``input_proj``, ``final_layernorm`` beside the decoder layer's tensors).
+
 ``nemotron_h`` gets the Nemotron 3 Super head layout (``mtp_hybrid_override_pattern`` ``"*E"``:
 an attention block holding ``enorm``/``hnorm``/``eh_proj``, then an MoE block holding
 ``final_layernorm``; the config gains the MoE settings the head needs). Releases whose
@@ -233,7 +236,11 @@ def write_mtp_checkpoint(root, family, *, form="mlx", quantized=False, placement
     mx.eval(model.parameters(), head.parameters())
     backbone = _cast(dict(tree_flatten(model.parameters())), dtype)
     head_params = _cast(dict(tree_flatten(head.parameters())), dtype)
-    if form == "hf" and family in DEEPSEEK_LAYOUT:  # the head is the layer after the last
+    if form == "hf" and family == "mimo":  # model.mtp_layers.0, decoder layer and fusion side by side
+        weights = backbone
+        mtp = {f"model.mtp_layers.0.{k[len('layers.0.'):] if k.startswith('layers.0.') else k}": v
+               for k, v in head_params.items()}
+    elif form == "hf" and family in DEEPSEEK_LAYOUT:  # the head is the layer after the last
         weights = _deepseek_to_hf(backbone)
         mtp = _deepseek_head_to_hf(head_params, backbone, config["num_hidden_layers"])
     elif form == "hf":

@@ -792,6 +792,10 @@ def _cfg_glm4_moe() -> Dict[str, Any]:
                 rms_norm_eps=1e-5, use_qk_norm=True, attention_bias=True, partial_rotary_factor=0.5)
 
 
+def _cfg_mimo() -> Dict[str, Any]:
+    return dict(_cfg_llama(), model_type="mimo", num_nextn_predict_layers=1)
+
+
 _CONFIGS: Dict[str, Callable[[], Dict[str, Any]]] = {
     "qwen3_next": _cfg_qwen3_next,
     "qwen3_5": _cfg_qwen3_5,
@@ -821,6 +825,7 @@ _CONFIGS: Dict[str, Callable[[], Dict[str, Any]]] = {
     "deepseek_v3": _cfg_deepseek_v3,
     "glm4_moe": _cfg_glm4_moe,
     "glm4_moe_lite": _cfg_glm4_moe_lite,
+    "mimo": _cfg_mimo,
 }
 
 

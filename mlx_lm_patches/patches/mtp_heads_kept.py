@@ -1,6 +1,6 @@
 """Checkpoints with multi-token-prediction (MTP) tensors load, with the backbone intact and the
 MTP head kept (Qwen3-Next, Qwen3.5/3.6 dense and MoE, Nemotron-H; DeepSeek-V3, GLM-4.5/4.6/4.7
-and GLM-4.7-Flash, whose head is the layer after the backbone's last).
+and GLM-4.7-Flash, whose head is the layer after the backbone's last; MiMo's ``mtp_layers``).
 
 Bug
     mlx-lm has no module for the MTP head that Qwen3-Next, Qwen3.5/3.6 and Nemotron-H
@@ -14,7 +14,7 @@ Bug
     * nemotron_h <= 0.31.1: no filter at all, the load fails like qwen3_next.
     * deepseek_v3 (every release): ``sanitize`` drops ``model.layers.61`` - DeepSeek-V3's own
       depth - so a checkpoint of the architecture with another depth that ships its MTP layer
-      fails the same way; glm4_moe and glm4_moe_lite drop the layer.
+      fails the same way; glm4_moe and glm4_moe_lite drop the layer, mimo its ``mtp_layers``.
     * everywhere else the head is dropped without a word; an ``mtp.safetensors`` sidecar is
       never read.
 
@@ -56,7 +56,8 @@ Metal
 from mlx_lm_patches.engine.contract import NotNeeded, Outcome
 
 UTILS = "mlx_lm.utils"
-FAMILY_MODULES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "nemotron_h", "deepseek_v3", "glm4_moe", "glm4_moe_lite")
+FAMILY_MODULES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "nemotron_h", "deepseek_v3", "glm4_moe", "glm4_moe_lite",
+                  "mimo")
 
 
 def _sanitize_without_mtp(wrapped, instance, args, kwargs):
@@ -69,7 +70,7 @@ def _sanitize_without_mtp(wrapped, instance, args, kwargs):
     if hasattr(family, "split_checkpoint"):  # the head is a layer past the backbone's last
         backbone, layer = family.split_checkpoint(instance, backbone, lambda w: wrapped(w, *args[1:], **kwargs))
         if layer:
-            instance.__dict__[SOURCE] = f"the checkpoint's layer model.layers.{instance.args.num_hidden_layers}"
+            instance.__dict__[SOURCE] = family.source(instance)
         mtp = dict(mtp, **layer)
     if instance is not None:
         stash(instance, mtp)

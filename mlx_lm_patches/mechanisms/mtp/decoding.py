@@ -33,9 +33,15 @@ the pieces per family are in ``mtp_families``):
   (``NemotronHBlock``: the attention ones with their own KV cache, MoE/MLP ones without), then
   ``final_layernorm`` of the last block; logits through the shared ``lm_head``.
 
-In both ``h_t`` is the main model's *post*-final-norm hidden state by default (``hidden="pre"``:
-the input of the final norm) and the embedding half comes first (``fusion="hidden-first"``
-swaps them, as MiMo-style heads order them).
+* MiMo: ``input_proj(concat[hidden_layernorm(h_t), token_layernorm(embed(x_{t+1}))])`` (the
+  hidden half first), the MTP decoder layer with its own KV cache, ``final_layernorm``; logits
+  through the shared ``lm_head`` (or the tied embedding).
+* DeepSeek-V3 layout: ``eh_proj(concat[enorm(embed(x_{t+1})), hnorm(h_t)])``, the family's decoder
+  layer with its own KV cache, ``shared_head.norm``, the shared ``lm_head``.
+
+In all ``h_t`` is the main model's *post*-final-norm hidden state by default (``hidden="pre"``:
+the input of the final norm) and the halves come in the family's order (``fusion=`` forces
+``"embedding-first"`` or ``"hidden-first"``).
 
 ``model.mtp_forward(hidden, next_ids, cache)``, ``model.make_mtp_cache()`` and
 ``model.hidden_states`` (``{"pre": ..., "post": ...}`` of the last forward, once the capture is
@@ -252,16 +258,24 @@ def _head(model):
     return head
 
 
-def mtp_forward(model, hidden, next_ids, cache, fusion="embedding-first"):
+def _fusion_order(model, fusion):
+    """``fusion``, or the family's own order (``FUSION`` of its descriptor) when None."""
+    fusion = fusion or getattr(family_of(model), "FUSION", "embedding-first")
+    if fusion not in FUSION_ORDERS:
+        raise ValueError(f"fusion={fusion!r}: expected one of {FUSION_ORDERS}")
+    return fusion
+
+
+def mtp_forward(model, hidden, next_ids, cache, fusion=None):
     """One MTP pass: ``hidden`` [B,T,H] (main hidden at positions t), ``next_ids`` [B,T] (tokens
     at t+1) -> ``(logits [B,T,V], mtp_hidden [B,T,H])``; ``cache`` from ``make_mtp_cache``.
-    ``fusion``: ``"embedding-first"`` (Qwen3-Next/3.5/3.6, DeepSeek) or ``"hidden-first"``
+    ``fusion``: the family's order by default, or ``"embedding-first"`` (Qwen3-Next/3.5/3.6,
+    Nemotron-H, DeepSeek-V3 layout) or ``"hidden-first"``
     (MiMo-style heads)."""
     import mlx.core as mx
     from mlx_lm.models.base import create_attention_mask
 
-    if fusion not in FUSION_ORDERS:
-        raise ValueError(f"fusion={fusion!r}: expected one of {FUSION_ORDERS}")
+    fusion = _fusion_order(model, fusion)
     head, family = _head(model), family_of(model)
     embedding_norm, hidden_norm, projection = family.fusion(head)
     embedded = embedding_norm(family.embed(model, next_ids))
@@ -312,12 +326,10 @@ class MTPDraft:
     # main model must re-run accepted tokens before the draft is asked (journal.py, fuse=False).
     reads_main_model = True
 
-    def __init__(self, model, hidden="post", fusion="embedding-first"):
+    def __init__(self, model, hidden="post", fusion=None):
         if hidden not in HIDDEN_KINDS:
             raise ValueError(f"hidden={hidden!r}: expected one of {HIDDEN_KINDS}")
-        if fusion not in FUSION_ORDERS:
-            raise ValueError(f"fusion={fusion!r}: expected one of {FUSION_ORDERS}")
-        self.fusion = fusion
+        self.fusion = _fusion_order(model, fusion)
         _head(model)  # a clear error now rather than in the loop
         self.main = model
         self.hidden = hidden
@@ -374,8 +386,8 @@ def add_interface(model, track=None) -> None:
     ``track`` (the patcher's): records the change so revert takes it off again, together with
     the capture the draft installs later."""
     ref = weakref.ref(model)
-    model.__dict__["make_draft_model"] = lambda hidden="post", fusion="embedding-first": MTPDraft(ref(), hidden, fusion)
-    model.__dict__["mtp_forward"] = lambda hidden, next_ids, cache, fusion="embedding-first": mtp_forward(
+    model.__dict__["make_draft_model"] = lambda hidden="post", fusion=None: MTPDraft(ref(), hidden, fusion)
+    model.__dict__["mtp_forward"] = lambda hidden, next_ids, cache, fusion=None: mtp_forward(
         ref(), hidden, next_ids, cache, fusion)
     model.__dict__["make_mtp_cache"] = lambda: make_mtp_cache(ref())
     model.__dict__["hidden_states"] = lambda: hidden_states(ref())

@@ -29,6 +29,9 @@ layers (attention layers with their own KV cache), the head's final norm, the sh
   token by a linear projection) and vLLM's ``deepseek_mtp.py`` (the tensor names, the embedding
   half first, the main model's final hidden state as input, ``shared_head.norm`` before the
   output head).
+* MiMo (mimo): ``model.mtp_layers.{i}``: ``token_layernorm``, ``hidden_layernorm``, ``input_proj``
+  (the normalized hidden state first), the family's decoder layer, ``final_layernorm``; shared
+  embedding and output head (the MiMo report, arXiv:2505.07608; vLLM's ``mimo_mtp.py``).
 """
 
 import re
@@ -241,7 +244,62 @@ class NemotronH:
         return model.args.vocab_size
 
 
-class DeepSeekV3:
+class _ExtraLayerHead:
+    """What heads made of one more decoder layer of the family share, when the model keeps its
+    blocks in ``model.model`` (embedding, final norm) and its output layer in ``lm_head``."""
+
+    FUSION = "embedding-first"
+
+    @staticmethod
+    def _inner(model):
+        return model.model
+
+    def _split(self, weights, pattern, fusion_names, convert=None):
+        """``(backbone, head)``: checkpoint keys ``pattern`` matches (groups: MTP layer index,
+        rest) are the head's, as ``mtp.`` parameters: the fusion tensors of layer 0 at the top,
+        the rest under ``mtp.layers.{i}.``; ``convert(i, tensors)`` maps a layer's tensors first."""
+        backbone, by_layer = {}, {}
+        for key, value in weights.items():
+            match = re.match(pattern, key)
+            if match:
+                by_layer.setdefault(int(match.group(1)), {})[match.group(2)] = value
+            else:
+                backbone[key] = value
+        head = {}
+        for i, tensors in sorted(by_layer.items()):
+            for key, value in (convert(i, tensors) if convert else tensors).items():
+                top = i == 0 and key.startswith(fusion_names)
+                head[f"mtp.{key}" if top else f"mtp.layers.{i}.{key}"] = value
+        return backbone, head
+
+    def _one_layer(self, n_layers, what):
+        if n_layers != 1:
+            raise HeadUnsupported(f"{n_layers} MTP layers; {what} heads are kept with one")
+
+    def attention_layers(self, head):
+        return list(head.layers)
+
+    def run_layers(self, head, z, mask, cache):
+        for layer, layer_cache in zip(head.layers, cache):
+            z = layer(z, mask=mask, cache=layer_cache)
+        return z
+
+    def embed(self, model, ids):
+        return self._inner(model).embed_tokens(ids)
+
+    def final_norm(self, model):
+        return self._inner(model).norm
+
+    def logits(self, model, out):
+        if getattr(model.args, "tie_word_embeddings", False) and not hasattr(model, "lm_head"):
+            return self._inner(model).embed_tokens.as_linear(out)
+        return model.lm_head(out)
+
+    def vocab_size(self, model):
+        return model.args.vocab_size
+
+
+class DeepSeekV3(_ExtraLayerHead):
     """DeepSeek-V3, GLM-4.5/4.6/4.7 (glm4_moe), GLM-4.7-Flash (glm4_moe_lite): the MTP layer at
     index ``num_hidden_layers``, built from the family's own decoder layer."""
 
@@ -250,39 +308,34 @@ class DeepSeekV3:
     # the checkpoint's copies of what the head shares with the model (the report: shared)
     SHARED = ("embed_tokens.", "shared_head.head.")
 
-    @staticmethod
-    def _inner(model):
-        return model.model
-
     def split_checkpoint(self, model, weights, stock_sanitize):
-        """``(backbone, head)``: the tensors of layers ``>= num_hidden_layers`` are the head's; they
-        go through ``stock_sanitize`` (the release's own) as layer ``i`` of the backbone would, and
-        come back as ``mtp.``-prefixed head parameters (``mtp.layers.{i}.…``, ``mtp.enorm.…``)."""
+        """The tensors of layers ``>= num_hidden_layers`` are the head's; all but the shared
+        copies go through ``stock_sanitize`` (the release's own) as layer ``i`` of the backbone
+        would (fp8 dequantization covers ``eh_proj`` too)."""
         depth = model.args.num_hidden_layers
-        pattern = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-        backbone, by_layer = {}, {}
+
+        def convert(i, tensors):
+            own = {f"model.layers.{i}.{k}": v for k, v in tensors.items() if not k.startswith(self.SHARED)}
+            out = {key[len(f"model.layers.{i}."):]: v for key, v in stock_sanitize(own).items()}
+            out.update({k: v for k, v in tensors.items() if k.startswith(self.SHARED)})
+            return out
+
+        backbone, past = {}, {}  # past: the layers after the backbone's last, numbered from 0
         for key, value in weights.items():
-            match = pattern.match(key)
+            match = re.match(r"^model\.layers\.(\d+)\.(.+)$", key)
             if match and int(match.group(1)) >= depth:
-                by_layer.setdefault(int(match.group(1)) - depth, {})[match.group(2)] = value
+                past[f"{int(match.group(1)) - depth}.{match.group(2)}"] = value
             else:
                 backbone[key] = value
-        head = {}
-        for i, tensors in sorted(by_layer.items()):
-            # everything but the shared copies through stock (fp8 dequantization covers eh_proj too)
-            own = {f"model.layers.{i}.{k}": v for k, v in tensors.items() if not k.startswith(self.SHARED)}
-            converted = {key[len(f"model.layers.{i}."):]: v for key, v in stock_sanitize(own).items()}
-            converted.update({k: v for k, v in tensors.items() if k.startswith(self.SHARED)})
-            for key, value in converted.items():
-                fusion = i == 0 and key.startswith(self._FUSION + self.SHARED)
-                head[f"mtp.{key}" if fusion else f"mtp.layers.{i}.{key}"] = value
-        return backbone, head
+        return backbone, self._split(past, r"^(\d+)\.(.+)$", self._FUSION + self.SHARED, convert)[1]
+
+    def source(self, model):
+        return f"the checkpoint's layer model.layers.{model.args.num_hidden_layers}"
 
     def build(self, model, config, weights, n_layers):
         import mlx.nn as nn
 
-        if n_layers != 1:
-            raise HeadUnsupported(f"{n_layers} MTP layers; heads of the DeepSeek-V3 layout are kept with one")
+        self._one_layer(n_layers, "DeepSeek-V3-layout")
         args = model.args
         hidden, eps = args.hidden_size, args.rms_norm_eps
         layer_class = type(self._inner(model).layers[0])
@@ -304,9 +357,6 @@ class DeepSeekV3:
     def fusion(self, head):
         return head.enorm, head.hnorm, head.eh_proj
 
-    def attention_layers(self, head):
-        return list(head.layers)
-
     def attention_mask(self, z, cache):
         """An array mask where the release has them (multi-head latent attention adds its
         positional scores to the mask, so it needs one; an array is exact for the others)."""
@@ -317,30 +367,56 @@ class DeepSeekV3:
         except TypeError:  # releases before return_array: what the family's own model passes
             return create_attention_mask(z, cache[0])
 
-    def run_layers(self, head, z, mask, cache):
-        for layer, layer_cache in zip(head.layers, cache):
-            z = layer(z, mask=mask, cache=layer_cache)
-        return z
-
     def head_norm(self, head):
         return head.shared_head.norm
 
-    def embed(self, model, ids):
-        return self._inner(model).embed_tokens(ids)
 
-    def final_norm(self, model):
-        return self._inner(model).norm
+class MiMo(_ExtraLayerHead):
+    """Xiaomi MiMo-7B: ``model.mtp_layers.{i}``, each ``token_layernorm``, ``hidden_layernorm``,
+    ``input_proj``, a decoder layer of the family and ``final_layernorm``. Followed: the MiMo
+    report (arXiv:2505.07608, the MTP layers share embedding and output head with the model) and
+    vLLM's ``mimo_mtp.py`` (the tensor names, the *hidden* half first, the main model's final
+    hidden state as input)."""
 
-    def logits(self, model, out):
-        if getattr(model.args, "tie_word_embeddings", False) and not hasattr(model, "lm_head"):
-            return self._inner(model).embed_tokens.as_linear(out)
-        return model.lm_head(out)
+    names = ("mimo",)
+    FUSION = "hidden-first"
+    _FUSION = ("token_layernorm.", "hidden_layernorm.", "input_proj.", "final_layernorm.")
 
-    def vocab_size(self, model):
-        return model.args.vocab_size
+    def split_checkpoint(self, model, weights, stock_sanitize):
+        """The ``model.mtp_layers.`` tensors are the head's (plain linear and norm weights, in
+        mlx-lm's layout already; stock ``sanitize`` only drops them)."""
+        weights = {k: v for k, v in weights.items() if not (k.startswith("model.mtp_layers.")
+                                                             and "rotary_emb.inv_freq" in k)}
+        return self._split(weights, r"^model\.mtp_layers\.(\d+)\.(.+)$", self._FUSION)
+
+    def source(self, model):
+        return "the checkpoint's model.mtp_layers"
+
+    def build(self, model, config, weights, n_layers):
+        import mlx.nn as nn
+
+        self._one_layer(n_layers, "MiMo")
+        args = model.args
+        hidden, eps = args.hidden_size, args.rms_norm_eps
+        head = nn.Module()
+        head.token_layernorm = nn.RMSNorm(hidden, eps=eps)
+        head.hidden_layernorm = nn.RMSNorm(hidden, eps=eps)
+        head.input_proj = nn.Linear(2 * hidden, hidden, bias=False)
+        head.layers = [type(self._inner(model).layers[0])(args)]
+        head.final_layernorm = nn.RMSNorm(hidden, eps=eps)
+        return head
+
+    def convert(self, tensors, mlx_layout=False):
+        return dict(tensors)
+
+    def fusion(self, head):
+        return head.token_layernorm, head.hidden_layernorm, head.input_proj
+
+    def head_norm(self, head):
+        return head.final_layernorm
 
 
-FAMILIES = {name: family for family in (Qwen(), NemotronH(), DeepSeekV3()) for name in family.names}
+FAMILIES = {name: family for family in (Qwen(), NemotronH(), DeepSeekV3(), MiMo()) for name in family.names}
 
 
 def family_of(model):

@@ -1,15 +1,17 @@
-"""MTP heads of the DeepSeek-V3 layout (DeepSeek-V3, GLM-4.5/4.6/4.7 = glm4_moe, GLM-4.7-Flash =
-glm4_moe_lite): the head is the checkpoint's layer ``model.layers.{num_hidden_layers}``. Tiny
-three-layer checkpoints written to disk in the Hugging Face layout (experts per expert,
+"""MTP heads that are one more decoder layer of the family: the DeepSeek-V3 layout (DeepSeek-V3,
+GLM-4.5/4.6/4.7 = glm4_moe, GLM-4.7-Flash = glm4_moe_lite: the checkpoint's layer
+``model.layers.{num_hidden_layers}``) and MiMo (``model.mtp_layers.0``). Tiny checkpoints
+written to disk in the Hugging Face layout (for the DeepSeek-V3 layout: experts per expert,
 multi-head latent attention's ``kv_b_proj`` unsplit, copies of the shared embedding and output
 head) and in mlx-lm's layout (``mtp.*``):
 
 * with the package the head is kept, converted exactly as the release converts the backbone's
   layers, and ``mtp_status`` says where it came from and that the shared copies are not loaded;
 * stock mlx-lm (fresh interpreter, ``MLX_LM_PATCHES=0``) fails to load deepseek_v3 of this depth
-  (its ``sanitize`` drops layer 61 only) and drops glm4_moe's head: a strict xfail;
+  (its ``sanitize`` drops layer 61 only) and drops the other heads: a strict xfail;
 * the head's wiring, which exactness cannot show (a wrongly wired head only lowers acceptance):
-  with weights that make its proposal derivable - ``eh_proj`` passing the hidden half only, the
+  with weights that make its proposal derivable - the fusion projection passing the hidden half
+  only (second for the DeepSeek-V3 layout, first for MiMo), the
   decoder layer's output projections zero (the layer is the identity through its residuals),
   unit norms - the draft's first proposal of every round is the main model's own prediction
   from the hidden state of the last committed position, token by token.
@@ -29,8 +31,8 @@ from mlx_lm_patches.demos.scenarios import greedy, prompt_tokens
 
 mlx_lm_patches.apply()
 
-FAMILIES = [f for f in DEEPSEEK_LAYOUT if importlib.util.find_spec(f"mlx_lm.models.{f}") is not None]
-pytestmark = pytest.mark.skipif(not FAMILIES, reason="this mlx-lm has no DeepSeek-V3-layout family")
+FAMILIES = [f for f in DEEPSEEK_LAYOUT + ("mimo",) if importlib.util.find_spec(f"mlx_lm.models.{f}") is not None]
+pytestmark = pytest.mark.skipif(not FAMILIES, reason="this mlx-lm has none of these families")
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +56,9 @@ def test_the_head_is_kept_exactly(written, family, form):
     checkpoint = written(family, form)
     model = load(str(checkpoint.folder))[0]
     assert check_loaded(model, checkpoint) is None, check_loaded(model, checkpoint)
-    if form == "hf":
+    if form == "hf" and family == "mimo":
+        assert model.mtp_status.endswith("from the checkpoint's model.mtp_layers"), model.mtp_status
+    elif form == "hf":
         assert "from the checkpoint's layer model.layers.3; embedding and output head shared with the model " \
                "(the checkpoint's 2 copies of them not loaded)" in model.mtp_status, model.mtp_status
     else:
@@ -88,7 +92,7 @@ def stock_loads(written):
 @pytest.mark.parametrize("family", [pytest.param(f, marks=xfail_if_affected("mtp-heads-kept")) for f in FAMILIES])
 def test_stock_mlx_lm_keeps_the_head(stock_loads, family):
     """deepseek_v3: "Received ... parameters not in model" (its sanitize removes layer 61, not the
-    layer after this checkpoint's last); glm4_moe, glm4_moe_lite: the head is dropped."""
+    layer after this checkpoint's last); glm4_moe, glm4_moe_lite, mimo: the head is dropped."""
     assert stock_loads[family] == "loaded, head kept", stock_loads[family]
 
 
@@ -98,15 +102,20 @@ def _derivable(model):
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    head = model.mtp
-    hidden = model.args.hidden_size
-    updates = [("eh_proj.weight", mx.concatenate([mx.zeros((hidden, hidden)), mx.eye(hidden)], axis=1))]
-    for name in ("enorm.weight", "hnorm.weight", "shared_head.norm.weight"):
-        updates.append((name, mx.ones((hidden,))))
-    for path, value in tree_flatten(head.layers[0].parameters()):
-        if ".o_proj." in f".{path}" or ".down_proj." in f".{path}":  # attention and (shared) experts out
-            updates.append((f"layers.0.{path}", mx.zeros_like(value)))
-    head.load_weights(updates, strict=False)
+    head, hidden = model.mtp, model.args.hidden_size
+    # the documented names and order (module docstring), read directly, not through mtp_families
+    if model.model_type == "mimo":  # input_proj(concat[hidden_layernorm(h), token_layernorm(e)])
+        projection, norms, hidden_first = head.input_proj, (head.token_layernorm, head.hidden_layernorm,
+                                                            head.final_layernorm), True
+    else:  # eh_proj(concat[enorm(e), hnorm(h)]), then shared_head.norm
+        projection, norms, hidden_first = head.eh_proj, (head.enorm, head.hnorm, head.shared_head.norm), False
+    halves = [mx.eye(hidden), mx.zeros((hidden, hidden))]  # [hidden | embedding]
+    projection.weight = mx.concatenate(halves if hidden_first else halves[::-1], axis=1)
+    for norm in norms:
+        norm.weight = mx.ones((hidden,))
+    updates = [(path, mx.zeros_like(value)) for path, value in tree_flatten(head.layers[0].parameters())
+               if ".o_proj." in f".{path}" or ".down_proj." in f".{path}"]  # attention and (shared) experts out
+    head.layers[0].load_weights(updates, strict=False)
     mx.eval(head.parameters())
 
 
