@@ -63,7 +63,19 @@ def _stack_experts(out, experts, rename=None):
     return out
 
 
-class Qwen:
+class _DecoderLayers:
+    """Heads whose layers are all attention decoder layers, each with its own KV cache."""
+
+    def attention_layers(self, head):
+        return list(head.layers)
+
+    def run_layers(self, head, z, mask, cache):
+        for layer, layer_cache in zip(head.layers, cache):
+            z = layer(z, mask=mask, cache=layer_cache)
+        return z
+
+
+class Qwen(_DecoderLayers):
     """Qwen3-Next, Qwen3.5/3.6 (dense and MoE)."""
 
     names = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
@@ -123,14 +135,6 @@ class Qwen:
 
     def fusion(self, head):
         return head.pre_fc_norm_embedding, head.pre_fc_norm_hidden, head.fc
-
-    def attention_layers(self, head):
-        return list(head.layers)
-
-    def run_layers(self, head, z, mask, cache):
-        for layer, layer_cache in zip(head.layers, cache):
-            z = layer(z, mask=mask, cache=layer_cache)
-        return z
 
     def head_norm(self, head):
         return head.norm
@@ -244,7 +248,7 @@ class NemotronH:
         return model.args.vocab_size
 
 
-class _ExtraLayerHead:
+class _ExtraLayerHead(_DecoderLayers):
     """What heads made of one more decoder layer of the family share, when the model keeps its
     blocks in ``model.model`` (embedding, final norm) and its output layer in ``lm_head``."""
 
@@ -275,14 +279,6 @@ class _ExtraLayerHead:
     def _one_layer(self, n_layers, what):
         if n_layers != 1:
             raise HeadUnsupported(f"{n_layers} MTP layers; {what} heads are kept with one")
-
-    def attention_layers(self, head):
-        return list(head.layers)
-
-    def run_layers(self, head, z, mask, cache):
-        for layer, layer_cache in zip(head.layers, cache):
-            z = layer(z, mask=mask, cache=layer_cache)
-        return z
 
     def embed(self, model, ids):
         return self._inner(model).embed_tokens(ids)
