@@ -34,8 +34,8 @@ What keeps a full run inside CI's budget (2 cores), without dropping a cell:
   vllm-mlx install pulls torch with CUDA wheels (~2.5 GB) through torchvision.
 
 After pytest, one row per mlx-lm release (its release-time mlx, no extra packages) also runs
-mlx-lm's own offline tests from that release's sdist, stock and patched, and fails on any test
-that passes stock and fails patched (``tools/upstream_tests.py``).
+mlx-lm's own offline tests from that release's sdist, patched, then stock where they did not pass
+patched, and fails on any test that passes stock and fails patched (``tools/upstream_tests.py``).
 
 nox or tox-uv would give the venvs but not the grouping: neither runs sessions in parallel, and
 on 2 cores two sessions at a time are what fits the budget.
