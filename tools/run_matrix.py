@@ -14,9 +14,9 @@ What keeps a full run inside CI's budget (2 cores), without dropping a cell:
 * mlx's CPU backend compiles kernels once and caches them under ``$TMPDIR/mlx/<mlx version>``.
   Sessions of one mlx version share one such directory, kept across rows and runs
   (``~/.cache/mlx-lm-patches/mlx-tmp/<mlx version>``); two sessions writing the same cache at
-  once corrupt it, so rows are scheduled in groups by mlx version, one group per worker,
-  longest group first by the seconds its rows took last time (``tools/matrix_durations.json``,
-  rewritten after every full run).
+  once corrupt it, so rows are scheduled in groups by mlx version, one group per worker, the
+  groups split between the workers so that the last ends earliest by the seconds their rows
+  took last time (``tools/matrix_durations.json``, rewritten after every full run).
 * no ``--compile-bytecode``: sessions write the bytecode of what they import (see ``_env``).
 * Tests marked ``python_only`` (activation, the engine on a fake package, variables, the matrix
   file, CLI status/table) do not depend on mlx-lm: they run on one row per Python version, the
@@ -155,11 +155,10 @@ class Prefetch:
     """Prepares rows' venvs in the background, at most one row ahead of each worker: while a
     worker tests a row, the next row it will take is installed."""
 
-    def __init__(self, wheel: Path, reuse: bool, groups):
-        self.wheel, self.reuse, self.groups = wheel, reuse, groups
+    def __init__(self, wheel: Path, reuse: bool):
+        self.wheel, self.reuse = wheel, reuse
         self.pool = ThreadPoolExecutor(max_workers=2)
         self.lock = threading.Lock()
-        self.started_groups = 0
         self.futures = {}
 
     def get(self, row):
@@ -169,22 +168,15 @@ class Prefetch:
             future = self.futures[row["name"]]
         return future.result()
 
-    def ahead(self, group, index):
-        """A worker has started ``group[index]``: prepare what it takes next (the next row of
-        its group, else the first row of the next group no worker has started yet)."""
+    def ahead(self, rows, index):
+        """A worker has started ``rows[index]``: prepare the row it takes next."""
         with self.lock:
-            if index + 1 < len(group):
-                row = group[index + 1]
-            else:
-                pending = [g for g in self.groups if g[0]["name"] not in self.futures]
-                if not pending:
-                    return
-                row = pending[0][0]
-            if row["name"] not in self.futures:
+            if index + 1 < len(rows) and rows[index + 1]["name"] not in self.futures:
+                row = rows[index + 1]
                 self.futures[row["name"]] = self.pool.submit(prepare, row, self.wheel, self.reuse)
 
 
-def session(row, prefetch: Prefetch, group, index, pytest_args) -> dict:
+def session(row, prefetch: Prefetch, rows, index, pytest_args) -> dict:
     name = row["name"]
     venv = WORK / "venvs" / name
     log = WORK / "logs" / f"{name}.log"
@@ -192,7 +184,7 @@ def session(row, prefetch: Prefetch, group, index, pytest_args) -> dict:
     waited = time.monotonic()
     rc, install_seconds = prefetch.get(row)
     started = time.monotonic()
-    prefetch.ahead(group, index)
+    prefetch.ahead(rows, index)
     tested = False
     with open(log, "a") as out:
         if rc == 0:
@@ -282,16 +274,31 @@ def save_durations(results) -> None:
     DURATIONS.write_text(json.dumps(dict(sorted(known.items())), indent=1) + "\n")
 
 
-def groups_by_mlx(rows, durations) -> list:
-    """Rows grouped by mlx version (they share a kernel cache), longest group first: workers take
-    the next group when they finish one, so this is the longest-processing-time schedule, within
-    a few percent of the best split for 2 workers. A row never timed counts as the median row."""
+def schedule(rows, durations, jobs) -> list:
+    """The rows each worker runs, in order. Rows are grouped by mlx version (they share a kernel
+    cache: one group, one worker) and groups are split so that the last worker ends earliest,
+    by the seconds their rows took last time (a row never timed counts as the median row): for
+    two workers every split is tried (2^groups), for more the longest group goes to the least
+    loaded worker."""
     typical = sorted(durations.values())[len(durations) // 2] if durations else 1.0
-    groups = {}
+    by_mlx = {}
     for row in rows:
-        groups.setdefault(row["mlx"], []).append(row)
-    seconds = lambda group: sum(durations.get(row["name"], typical) for row in group)  # noqa: E731
-    return sorted(groups.values(), key=lambda group: (seconds(group), len(group)), reverse=True)
+        by_mlx.setdefault(row["mlx"], []).append(row)
+    groups = sorted(by_mlx.values(), key=lambda g: sum(durations.get(r["name"], typical) for r in g), reverse=True)
+    seconds = [sum(durations.get(row["name"], typical) for row in group) for group in groups]
+    jobs = max(1, min(jobs, len(groups)))
+    if jobs == 2 and len(groups) <= 16:
+        total = sum(seconds)
+        split = min(range(1 << len(groups)), key=lambda mask: max(
+            loaded := sum(t for i, t in enumerate(seconds) if mask >> i & 1), total - loaded))
+        bins = [[i for i in range(len(groups)) if (split >> i & 1) == side] for side in (1, 0)]
+    else:
+        bins, loads = [[] for _ in range(jobs)], [0.0] * jobs
+        for i, t in enumerate(seconds):
+            worker = loads.index(min(loads))
+            bins[worker].append(i)
+            loads[worker] += t
+    return [[row for i in indices for row in groups[i]] for indices in bins if indices]
 
 
 def main() -> int:
@@ -323,13 +330,13 @@ def main() -> int:
     results = []
     started = time.monotonic()
 
-    groups = groups_by_mlx(rows, load_durations())
-    prefetch = Prefetch(wheel, args.reuse, groups)
+    workers = schedule(rows, load_durations(), args.jobs)
+    prefetch = Prefetch(wheel, args.reuse)
 
-    def run_group(group):
+    def run_worker(assigned):
         out = []
-        for index, row in enumerate(group):
-            r = session(row, prefetch, group, index, args.pytest_args)
+        for index, row in enumerate(assigned):
+            r = session(row, prefetch, assigned, index, args.pytest_args)
             mark = "ok  " if r["rc"] == 0 else "FAIL"
             print(f"[{mark}] {r['name']}: {r['passed']} passed, {r['failed']} failed "
                   f"({r['seconds']:.0f}s after {r['waited']:.0f}s waiting for its install of {r['install']:.0f}s, "
@@ -337,8 +344,8 @@ def main() -> int:
             out.append(r)
         return out
 
-    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        for future in [pool.submit(run_group, group) for group in groups]:
+    with ThreadPoolExecutor(max_workers=len(workers)) as pool:
+        for future in [pool.submit(run_worker, assigned) for assigned in workers]:
             results.extend(future.result())
     if not args.pytest_args:
         save_durations(results)
