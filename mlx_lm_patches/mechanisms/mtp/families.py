@@ -415,6 +415,14 @@ class MiMo(_ExtraLayerHead):
 FAMILIES = {name: family for family in (Qwen(), NemotronH(), DeepSeekV3(), MiMo()) for name in family.names}
 
 
+# Why the heads of families mlx-lm drops MTP layers for are not kept (what ``mtp_status`` says).
+NOT_KEPT = {
+    "deepseek_v32": "its attention keeps a second (indexer) cache per layer, which the draft does not build yet",
+    "kimi_linear": "no public description of its MTP layer's layout was found to follow",
+}
+NOT_READ = "the layout of its MTP layers has not been read yet"
+
+
 def family_of(model):
     """The family descriptor of ``model``, or ``None`` if its MTP heads are not kept."""
     return FAMILIES.get(getattr(model, "model_type", None))

@@ -35,7 +35,7 @@ run (``into_tree``) and ``save_model`` writes it to an ``mtp.safetensors`` sidec
 import re
 from typing import Optional
 
-from mlx_lm_patches.mechanisms.mtp.families import FAMILIES, HeadUnsupported, family_of
+from mlx_lm_patches.mechanisms.mtp.families import FAMILIES, NOT_KEPT, NOT_READ, HeadUnsupported, family_of
 
 MTP_KEY = re.compile(r"(^|\.)mtp\.")
 STASH = "_mlx_lm_patches_mtp_tensors"
@@ -190,7 +190,8 @@ def attach(model, model_path, config, lazy=False) -> None:
     if model_type not in FAMILIES and (tensors or declared):
         aside = f"; {len(tensors)} mtp.* tensors set aside" if tensors else ""
         model.__dict__["mtp_status"] = (
-            f"MTP heads of {model_type} are not kept yet (kept: {', '.join(sorted(FAMILIES))}){aside}")
+            f"MTP heads of {model_type} are not kept yet: {NOT_KEPT.get(model_type, NOT_READ)} "
+            f"(kept: {', '.join(sorted(FAMILIES))}){aside}")
         return
     if not tensors:
         model.__dict__["mtp_status"] = (
