@@ -56,8 +56,6 @@ Metal
 from mlx_lm_patches.engine.contract import NotNeeded, Outcome
 
 UTILS = "mlx_lm.utils"
-FAMILY_MODULES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "nemotron_h", "deepseek_v3", "glm4_moe", "glm4_moe_lite",
-                  "mimo")
 
 
 def _sanitize_without_mtp(wrapped, instance, args, kwargs):
@@ -107,7 +105,9 @@ def probe():
 def apply(p):
     import importlib.util
 
-    for family in FAMILY_MODULES:
+    from mlx_lm_patches.mechanisms.mtp.families import FAMILIES
+
+    for family in sorted(FAMILIES):  # every family whose head is kept (its sanitize is a declared target)
         if importlib.util.find_spec(f"mlx_lm.models.{family}") is not None:
             p.wrap(f"mlx_lm.models.{family}:Model.sanitize", _sanitize_without_mtp)
     track = p.track  # revert takes the interface (and the draft's class swap) off loaded models
