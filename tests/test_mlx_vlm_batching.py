@@ -15,18 +15,19 @@ import pytest
 pytest.importorskip("mlx_vlm")
 
 import mlx_lm_patches  # noqa: E402
-from conftest import run_python, xfail_if_affected  # noqa: E402
+from conftest import affected, run_python, xfail_if_affected  # noqa: E402
 from mlx_lm_patches.demos import tiny_vlm_models as vlm  # noqa: E402
 
 ROWS = {row.id: row for row in mlx_lm_patches.apply()}
-PATHS = {"mlx-vlm": vlm.vlm_batched, "mlx-lm": vlm.mlx_lm_batched}
+PATHS = vlm.paths()
 POSITIONS = {"qwen3_5": "mlx-vlm-qwen3-5-batch-positions", "qwen3_vl": "mlx-vlm-qwen3-vl-batch-positions"}
+DELTAS = "mlx-vlm-unpadded-rope-deltas"
 # qwen3_5_moe's language model inherits Qwen3.5's (positions, attention, gated-delta layers)
 
 
 def _skip_unless_driven(model_type):
-    """Skip where the installed mlx-vlm lacks ``model_type`` or its batching API is not the one
-    these drivers use (mlx-vlm >= 0.5: rows bring their own embeddings; not covered yet)."""
+    """Skip where the installed mlx-vlm lacks ``model_type`` or its batching API is not one these
+    drivers use."""
     if not vlm.available(model_type):
         pytest.skip(f"this mlx-vlm has no {model_type}")
     why = vlm.unsupported_api(model_type)
@@ -60,15 +61,23 @@ def reverted(request):
 def _stock_cases():
     for model_type, pid in POSITIONS.items():
         for path in PATHS:
+            # batch_generate's rows also go through _unpad_batch_prompts
+            pids = [pid, DELTAS] if path == "batch_generate" else [pid]
+            broken = [p for p in pids if affected(p)]
             yield pytest.param(model_type, path, None, id=f"{model_type}-{path}-stock",
-                               marks=xfail_if_affected(pid))
+                               marks=xfail_if_affected(broken[0] if broken else pid))
     yield pytest.param("qwen3_5", "mlx-vlm", ["mlx-vlm-gated-delta-advance"], id="qwen3_5-mlx-vlm-no-advance",
                        marks=xfail_if_affected("mlx-vlm-gated-delta-advance"))
+    for model_type in vlm.MODEL_TYPES:
+        yield pytest.param(model_type, "batch_generate", [DELTAS], id=f"{model_type}-batch_generate-own-deltas",
+                           marks=xfail_if_affected(DELTAS))
 
 
 @pytest.mark.parametrize("model_type,path,reverted", list(_stock_cases()), indirect=["reverted"])
 def test_unpatched_batching_fails_where_affected(model_type, path, reverted):
     _skip_unless_driven(model_type)
+    if path not in PATHS:
+        pytest.skip(f"this mlx-vlm has no {path} path")
     built = vlm.build(model_type)
     assert vlm.batched_problem(built, model_type, PATHS[path]) is None
 
@@ -98,7 +107,8 @@ def test_image_positions_at_different_row_offsets_are_refused():
 @pytest.mark.subprocess
 def test_mlx_vlm_patches_are_decided_when_mlx_vlm_model_code_is_imported():
     """Automatic activation: importing mlx_lm leaves the mlx-vlm patches pending (mlx-vlm is not
-    imported for them); importing mlx-vlm's Qwen3.5 language module decides them; ``status``
+    imported for them); importing mlx-vlm's Qwen3.5 language module (which imports the package,
+    its generation module included) decides them; ``status``
     names the installed mlx-vlm and the range each of these patches is about."""
     from mlx_lm_patches.engine import versions
 
@@ -117,7 +127,7 @@ def test_mlx_vlm_patches_are_decided_when_mlx_vlm_model_code_is_imported():
     before, after, status = ran.json()
     expected = {pid: ROWS[pid].state for pid in before}
     assert set(before) == {"mlx-vlm-qwen3-5-batch-positions", "mlx-vlm-qwen3-vl-batch-positions",
-                           "mlx-vlm-gated-delta-advance"}
+                           "mlx-vlm-gated-delta-advance", DELTAS}
     for pid, state in expected.items():
         if state == "applied":
             assert before[pid] == "pending" and after[pid] == "applied", (pid, before[pid], after[pid])

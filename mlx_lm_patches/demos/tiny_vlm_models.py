@@ -140,6 +140,114 @@ def vlm_batched(model, rows, max_tokens: int = MAX_TOKENS):
     return decoded
 
 
+def takes_rows() -> bool:
+    """The installed mlx-vlm's ``BatchGenerator`` takes each row with its own prompt tensors
+    (``insert(prompts, max_tokens, prompt_kwargs=[...])``, mlx-vlm >= 0.5) rather than one
+    padded batch's embeddings through ``next(**kwargs)`` (< 0.5)."""
+    import inspect
+
+    generator = getattr(importlib.import_module("mlx_vlm.generate"), "BatchGenerator", None)
+    insert = getattr(generator, "insert", None)
+    return insert is not None and "prompt_kwargs" in inspect.signature(insert).parameters
+
+
+def _generation_module():
+    """The module that defines mlx-vlm's ``BatchGenerator`` (``mlx_vlm.generate`` up to 0.5,
+    ``mlx_vlm.generate.ar`` from 0.6)."""
+    import sys
+
+    generator = importlib.import_module("mlx_vlm.generate").BatchGenerator
+    return sys.modules[generator.__module__]
+
+
+def _drive_rows(model, prompts, max_tokens, prompt_kwargs, attention_mask=None):
+    """mlx-vlm (>= 0.5)'s ``BatchGenerator`` on ``prompts`` with their per-row tensors, greedy,
+    no stop tokens; one :class:`Decoded` per prompt whose log-probabilities are those of the
+    chosen tokens (what its responses carry)."""
+    import types
+
+    import mlx.core as mx
+    from mlx_vlm.utils import StoppingCriteria
+
+    from mlx_lm_patches.demos.scenarios import Decoded
+
+    processor = types.SimpleNamespace(stopping_criteria=StoppingCriteria([], None))
+    gen = _generation_module().BatchGenerator(
+        model.language_model, processor, max_tokens=max_tokens, prefill_batch_size=len(prompts),
+        completion_batch_size=len(prompts), compute_logprobs=True)
+    extra = {} if attention_mask is None else {"attention_mask": attention_mask}
+    uids = gen.insert(prompts, max_tokens, prompt_kwargs=prompt_kwargs, **extra)
+    results = {uid: Decoded([], []) for uid in uids}
+    try:
+        while gen.has_work:
+            _, responses = gen.next()
+            for r in responses:
+                results[r.uid].tokens.append(int(r.token))
+                results[r.uid].logprobs.append(mx.array(r.token_logprob))
+    finally:
+        if hasattr(gen, "close"):
+            gen.close()
+    return [results[uid] for uid in uids]
+
+
+def _embeddings(model, input_ids, **kwargs):
+    return {k: v for k, v in model.get_input_embeddings(input_ids, None, **kwargs).to_dict().items()
+            if v is not None}
+
+
+def vlm_rows_batched(model, rows, max_tokens: int = MAX_TOKENS):
+    """``rows`` decoded together by mlx-vlm (>= 0.5)'s ``BatchGenerator``, each inserted with its
+    own embeddings (as its server inserts requests): the generator pads them itself."""
+    import mlx.core as mx
+
+    model.language_model._position_ids = model.language_model._rope_deltas = None  # text only
+    kwargs = [_embeddings(model, mx.array([list(r)])) for r in rows]
+    return _drive_rows(model, [list(r) for r in rows], max_tokens, kwargs)
+
+
+def vlm_batch_generate_fed(model, rows, max_tokens: int = MAX_TOKENS):
+    """``rows`` fed to mlx-vlm (>= 0.5)'s ``BatchGenerator`` as its ``batch_generate`` feeds them:
+    one left-padded batch and its attention mask, embeddings computed for the padded batch with
+    that mask and split per row; the padded batch is inserted with its mask where ``insert``
+    takes one (0.7), else as token rows (0.5 - 0.6)."""
+    import inspect
+
+    import mlx.core as mx
+
+    module = _generation_module()
+    width = max(len(r) for r in rows)
+    padded = mx.array([[0] * (width - len(r)) + list(r) for r in rows])
+    mask = mx.array([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    model.language_model._position_ids = model.language_model._rope_deltas = None
+    kwargs = module._split_prompt_kwargs_per_row(_embeddings(model, padded, mask=mask), len(rows))
+    if "attention_mask" in inspect.signature(module.BatchGenerator.insert).parameters:
+        return _drive_rows(model, padded, max_tokens, kwargs, attention_mask=mask)
+    return _drive_rows(model, padded.tolist(), max_tokens, kwargs)
+
+
+def uses_mlx_lm_caches() -> bool:
+    """mlx-vlm's cache classes are mlx-lm's (up to 0.6.x); later releases ship their own."""
+    import mlx_lm.models.cache as lm_cache
+    from mlx_vlm.models import cache as vlm_cache
+
+    return issubclass(vlm_cache.KVCache, lm_cache.KVCache)
+
+
+def paths():
+    """The batched paths the installed mlx-vlm offers, by name: mlx-vlm's ``BatchGenerator`` as
+    its ``batch_generate`` feeds it (and, from 0.5, with rows inserted one by one, as its
+    server inserts requests), and - while mlx-vlm's caches are mlx-lm's - mlx-lm's
+    ``BatchGenerator`` driving the language model (with mlx-vlm's own cache classes that
+    pairing is no longer one anybody runs)."""
+    if takes_rows():
+        found = {"mlx-vlm": vlm_rows_batched, "batch_generate": vlm_batch_generate_fed}
+    else:
+        found = {"mlx-vlm": vlm_batched}
+    if uses_mlx_lm_caches():
+        found["mlx-lm"] = mlx_lm_batched
+    return found
+
+
 class LanguageModelAdapter:
     """mlx-vlm's language model in mlx-lm's model interface: called with token ids and a cache
     it returns the logits (mlx-vlm returns a ``LanguageModelOutput``); its cache is the one
@@ -181,6 +289,9 @@ def batched_problem(model, model_type, run=vlm_batched) -> Optional[str]:
     reference = [single(model, r) for r in rows]
     got = run(model, rows)
     for i, (ref, decoded) in enumerate(zip(reference, got)):
+        if decoded.logprobs and decoded.logprobs[0].ndim == 0 and len(ref.tokens) == len(decoded.tokens):
+            # the path reports the chosen tokens' log-probabilities only: compare those
+            ref = type(ref)(ref.tokens, [lp.reshape(-1)[t] for lp, t in zip(ref.logprobs, ref.tokens)])
         problem = ref.compare(decoded)
         if problem:
             return f"mlx-vlm {model_type}, prompt {i} ({len(rows[i])} tokens): {problem}"
@@ -199,9 +310,9 @@ _DRIVEN = (
 
 
 def unsupported_api(model_type: str) -> Optional[str]:
-    """Why the installed mlx-vlm's API is not the one these scenarios drive (mlx-vlm 0.5 changed
-    it), or None. Checked by name and signature before anything runs, so a changed API reads
-    "not applicable" instead of a failure of the fix."""
+    """Why the installed mlx-vlm's API is not one these scenarios drive, or None. Checked by name
+    and signature before anything runs, so a changed API reads "not applicable" instead of a
+    failure of the fix."""
     import inspect
 
     problems = []
@@ -227,14 +338,9 @@ def unsupported_api(model_type: str) -> Optional[str]:
         generator = getattr(importlib.import_module("mlx_vlm.generate"), "BatchGenerator", None)
         if generator is not None and not hasattr(generator, method):
             problems.append(f"mlx_vlm.generate.BatchGenerator has no {method}()")
-    generator = getattr(importlib.import_module("mlx_vlm.generate"), "BatchGenerator", None)
-    insert = getattr(generator, "insert", None)
-    if insert is not None and "prompt_kwargs" in inspect.signature(insert).parameters:
-        # mlx-vlm >= 0.5: each row brings its own inputs_embeds through insert(prompt_kwargs=...)
-        # and the prefill refuses rows without them; these scenarios pass one padded batch's
-        # embeddings to next(**kwargs), as mlx-vlm < 0.5 takes them
-        problems.append("mlx_vlm.generate.BatchGenerator.insert takes per-row prompt_kwargs "
-                        "(inputs_embeds per row)")
+    if takes_rows() and not hasattr(_generation_module(), "_split_prompt_kwargs_per_row"):
+        problems.append("mlx-vlm's BatchGenerator takes rows but its module has no "
+                        "_split_prompt_kwargs_per_row (how batch_generate feeds it)")
     arch = importlib.import_module(f"mlx_vlm.models.{model_type}")
     for name in ("Model", "ModelConfig"):
         if not hasattr(arch, name):
@@ -265,7 +371,10 @@ def scenario_outcome(model_type: str):
         return Outcome.not_applicable(f"cannot build a tiny mlx-vlm {model_type} through the API this "
                                       f"scenario drives: {type(exc).__name__}: {exc}")
     details = []
-    for name, run in (("mlx-vlm BatchGenerator", vlm_batched), ("mlx-lm BatchGenerator", mlx_lm_batched)):
+    names = {"mlx-vlm": "mlx-vlm BatchGenerator", "batch_generate": "mlx-vlm BatchGenerator as batch_generate feeds it",
+             "mlx-lm": "mlx-lm BatchGenerator"}
+    for key, run in paths().items():
+        name = names[key]
         try:
             problem = batched_problem(model, model_type, run)
         except Exception as exc:
@@ -343,4 +452,28 @@ def gated_delta_advance_problem(language_module) -> Optional[str]:
     if after == before:
         return (f"Qwen3_5GatedDeltaNet does not advance its ArraysCache (left padding stays "
                 f"{before} after 2 tokens): the next step's mask hides the padded rows' tokens")
+    return None
+
+
+def unpadded_deltas_problem(generation_module) -> Optional[str]:
+    """Evidence that ``generation_module._unpad_batch_prompts`` strips a row's padding but keeps
+    the ``rope_deltas`` computed against the padded width (text rows of Qwen-VL style models:
+    ``max(position) + 1 - width``), or None. Two rows of widths 2 and 3, positions as
+    ``get_rope_index`` gives them under the attention mask."""
+    import mlx.core as mx
+
+    unpad = getattr(generation_module, "_unpad_batch_prompts", None)
+    if unpad is None:
+        return None
+    mask = mx.array([[0, 1, 1], [1, 1, 1]])
+    positions = mx.array([[1, 0, 1], [0, 1, 2]])  # cumsum(mask) - 1, padding at 1
+    deltas = positions.max(axis=-1, keepdims=True) + 1 - mask.shape[-1]
+    kwargs = [{"position_ids": positions[i:i + 1], "rope_deltas": deltas[i:i + 1]} for i in range(2)]
+    rows, kwargs = unpad(mx.array([[0, 5, 6], [7, 8, 9]]), mask, kwargs)
+    kept = kwargs[0]["rope_deltas"].reshape(-1)[0].item()
+    own = kwargs[0]["position_ids"].max().item() + 1 - len(rows[0])
+    if kept != own:
+        return (f"_unpad_batch_prompts strips row 0 to {len(rows[0])} tokens (positions "
+                f"{kwargs[0]['position_ids'].reshape(-1).tolist()}) but keeps rope_deltas {kept} of the "
+                f"padded width (the row alone: {own})")
     return None
