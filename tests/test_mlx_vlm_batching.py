@@ -41,9 +41,19 @@ def model(request):
     return request.param, vlm.build(request.param)
 
 
+GAP = ("mlx-vlm 0.5 - 0.6.x's batch_generate inserts its padded rows as prompt tokens (its "
+       "BatchGenerator.insert takes no attention mask): not fixed yet (README, Not fixed yet)")
+
+
+def _mark_known_gap(request, path):
+    if path == "batch_generate" and not vlm.batch_generate_strips_padding():
+        request.applymarker(pytest.mark.xfail(strict=True, reason=GAP))
+
+
 @pytest.mark.parametrize("path", list(PATHS))
-def test_batched_text_generation_equals_each_prompt_alone(model, path):
+def test_batched_text_generation_equals_each_prompt_alone(model, path, request):
     model_type, built = model
+    _mark_known_gap(request, path)
     assert vlm.batched_problem(built, model_type, PATHS[path]) is None
 
 
@@ -78,6 +88,8 @@ def test_unpatched_batching_fails_where_affected(model_type, path, reverted):
     _skip_unless_driven(model_type)
     if path not in PATHS:
         pytest.skip(f"this mlx-vlm has no {path} path")
+    if path == "batch_generate" and not vlm.batch_generate_strips_padding():
+        pytest.skip(GAP)
     built = vlm.build(model_type)
     assert vlm.batched_problem(built, model_type, PATHS[path]) is None
 
