@@ -22,6 +22,7 @@ import pytest
 import mlx_lm_patches
 from mlx_lm_patches.demos.mtp_checkpoints import check_loaded, write_mtp_checkpoint
 from mlx_lm_patches.demos.scenarios import greedy, prompt_tokens, speculative_greedy
+from support.references import greedy_of
 
 mlx_lm_patches.apply()
 
@@ -138,7 +139,7 @@ def test_converted_head_loads_and_mtp_speculation_equals_greedy(converted, loade
     assert model.mtp_status.endswith("from mtp.safetensors (written by mlx-lm-patches)"), model.mtp_status
     if how == "fp":  # float32 all along: backbone and head exactly as in the HF checkpoint
         assert check_loaded(model, written) is None, check_loaded(model, written)
-    reference = greedy(model, PROMPT, max_tokens=MAX_TOKENS)
+    reference = greedy_of(model, PROMPT, max_tokens=MAX_TOKENS)
     for num_draft in (1, 2):
         got = speculative_greedy(model, model.make_draft_model(), PROMPT, max_tokens=MAX_TOKENS,
                                  num_draft_tokens=num_draft)
@@ -269,7 +270,7 @@ def test_stock_mlx_lm_loads_the_converted_folders_and_generates_the_same(convert
         if isinstance(stock[folder], str) and _stock_mlx_moe_bug(stock[folder]):
             not_run.append(case)
             continue
-        assert stock[folder] == greedy(loaded(*case), PROMPT, max_tokens=MAX_TOKENS).tokens, case
+        assert stock[folder] == greedy_of(loaded(*case), PROMPT, max_tokens=MAX_TOKENS).tokens, case
     if not_run:  # the others were compared above
         pytest.skip(f"{not_run} not run: {MOE_BUG}")
 

@@ -11,8 +11,9 @@ import importlib.util
 import pytest
 
 import mlx_lm_patches
-from mlx_lm_patches.demos.scenarios import LOGPROB_TOLERANCE, Decoded, greedy, prompt_tokens, speculative_greedy
+from mlx_lm_patches.demos.scenarios import LOGPROB_TOLERANCE, Decoded, prompt_tokens, speculative_greedy
 from mlx_lm_patches.demos.mtp_checkpoints import write_mtp_checkpoint
+from support.references import greedy_of
 
 mlx_lm_patches.apply()
 
@@ -39,7 +40,7 @@ def test_mtp_speculation_equals_greedy(loaded, family, hidden, fusion):
     model = loaded[family][0]
     draft = model.make_draft_model(hidden=hidden, fusion=fusion)
     prompt = prompt_tokens(17, seed=4)
-    reference = greedy(model, prompt, max_tokens=12)
+    reference = greedy_of(model, prompt, max_tokens=12)
     for num_draft in (1, 2, 3):
         got = speculative_greedy(model, draft, prompt, max_tokens=12, num_draft_tokens=num_draft)
         assert reference.compare(got) is None, f"num_draft_tokens={num_draft}: {reference.compare(got)}"
@@ -61,7 +62,7 @@ def test_mtp_speculation_with_accepted_proposals_equals_greedy(loaded, family, h
 
     model = loaded[family][0]
     prompt = prompt_tokens(17, seed=4)
-    reference = greedy(model, prompt, max_tokens=16)
+    reference = greedy_of(model, prompt, max_tokens=16)
     for num_draft in (1, 2, 3):
         draft = hinted_draft(model, prompt + reference.tokens, hidden=hidden)
         steps = list(speculative_generate_step(mx.array(prompt), model, draft, num_draft_tokens=num_draft,
@@ -91,7 +92,7 @@ def test_draft_proposals_are_the_heads_predictions_at_the_committed_position(loa
     prompt = prompt_tokens(15, seed=9)
     draft = recording_draft(model, proposals)
     if hinted:
-        draft = hinted_draft(model, prompt + greedy(model, prompt, max_tokens=10).tokens, draft=draft)
+        draft = hinted_draft(model, prompt + greedy_of(model, prompt, max_tokens=10).tokens, draft=draft)
     steps = list(speculative_generate_step(mx.array(prompt), model, draft, num_draft_tokens=2, max_tokens=10))
     sequence = prompt + [int(t) for t, _, _ in steps]
     assert len(proposals) >= 3

@@ -11,6 +11,7 @@ import pytest
 import mlx_lm_patches
 from mlx_lm_patches.demos.scenarios import greedy, prompt_tokens, speculative_greedy
 from mlx_lm_patches.demos.tiny_models import DENSE_MODEL_TYPE, available_model_types, build_tiny_model
+from support.references import tiny_greedy
 
 mlx_lm_patches.apply()
 
@@ -33,7 +34,7 @@ def _models(model_type, draft_kind):
 def test_speculative_equals_greedy(model_type, draft_kind):
     model, draft = _models(model_type, draft_kind)
     prompt = prompt_tokens(13, seed=3)
-    reference = greedy(model, prompt, max_tokens=MAX_TOKENS)
+    reference = tiny_greedy(model_type, prompt, max_tokens=MAX_TOKENS)
     for num_draft in (1, 2, 3, 4):
         got = speculative_greedy(model, draft, prompt, max_tokens=MAX_TOKENS, num_draft_tokens=num_draft)
         problem = reference.compare(got)
@@ -50,7 +51,7 @@ def test_supplied_prompt_cache(model_type, draft_kind):
 
     model, draft = _models(model_type, draft_kind)
     prompt = prompt_tokens(13, seed=4)
-    reference = greedy(model, prompt, max_tokens=MAX_TOKENS)
+    reference = tiny_greedy(model_type, prompt, max_tokens=MAX_TOKENS)
     cache = make_prompt_cache(model) + make_prompt_cache(draft)
     got = speculative_greedy(model, draft, prompt, max_tokens=MAX_TOKENS, num_draft_tokens=2, prompt_cache=cache)
     assert reference.compare(got) is None, reference.compare(got)
@@ -67,7 +68,7 @@ def test_logits_processors(model_type):
 
     model, draft = _models(model_type, "rejecting")
     prompt = prompt_tokens(12, seed=6)
-    plain = greedy(model, prompt, max_tokens=MAX_TOKENS)
+    plain = tiny_greedy(model_type, prompt, max_tokens=MAX_TOKENS)
     processors = make_logits_processors(logit_bias={plain.tokens[2]: -50.0, 17: 8.0})
     reference = greedy(model, prompt, max_tokens=MAX_TOKENS, logits_processors=processors)
     assert reference.tokens != plain.tokens
