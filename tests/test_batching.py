@@ -52,7 +52,7 @@ def test_batch_generate_token_ids_equal_generate(model_type):
     import tempfile
 
     from mlx_lm import load
-    from mlx_lm.generate import batch_generate, generate
+    from mlx_lm.generate import batch_generate
     from mlx_lm_patches.demos.model_folder import write_model_folder
     from mlx_lm_patches.demos.tiny_models import tiny_config
 

@@ -1,5 +1,5 @@
 """mlx-vlm's Qwen3.5 / Qwen3-VL language models in batched text generation (needs mlx-vlm; the
-CI matrix has a row with mlx-vlm 0.4.0, elsewhere this file is skipped).
+CI matrix has rows with mlx-vlm 0.4.0, 0.6.17 and 0.7.10, elsewhere this file is skipped).
 
 Tiny random-weight mlx-vlm models built from config dicts
 (``mlx_lm_patches/demos/tiny_vlm_models.py``), prompts of 5, 9 and 13 tokens. Reference: each
@@ -21,7 +21,9 @@ from mlx_lm_patches.demos import tiny_vlm_models as vlm  # noqa: E402
 ROWS = {row.id: row for row in mlx_lm_patches.apply()}
 PATHS = vlm.paths()
 POSITIONS = {"qwen3_5": "mlx-vlm-qwen3-5-batch-positions", "qwen3_vl": "mlx-vlm-qwen3-vl-batch-positions"}
-DELTAS = "mlx-vlm-unpadded-rope-deltas"
+# the fix of batch_generate's hand-over of its padded rows, by how this mlx-vlm hands them over
+DELTAS = {"stripped": "mlx-vlm-unpadded-rope-deltas", "told": "mlx-vlm-left-padding-rope-deltas"}
+HANDED = vlm.batch_generate_padding() if vlm.takes_rows() else None
 # qwen3_5_moe's language model inherits Qwen3.5's (positions, attention, gated-delta layers)
 
 
@@ -41,12 +43,12 @@ def model(request):
     return request.param, vlm.build(request.param)
 
 
-GAP = ("mlx-vlm 0.5 - 0.6.x's batch_generate inserts its padded rows as prompt tokens (its "
-       "BatchGenerator.insert takes no attention mask): not fixed yet (README, Not fixed yet)")
+GAP = ("mlx-vlm 0.5 - 0.6.14's batch_generate inserts its padded rows as prompt tokens (its "
+       "BatchGenerator is neither given the mask nor told the padding): not fixed yet (README, Not fixed yet)")
 
 
 def _mark_known_gap(request, path):
-    if path == "batch_generate" and not vlm.batch_generate_strips_padding():
+    if path == "batch_generate" and HANDED is None:
         request.applymarker(pytest.mark.xfail(strict=True, reason=GAP))
 
 
@@ -71,16 +73,18 @@ def reverted(request):
 def _stock_cases():
     for model_type, pid in POSITIONS.items():
         for path in PATHS:
-            # batch_generate's rows also go through _unpad_batch_prompts
-            pids = [pid, DELTAS] if path == "batch_generate" else [pid]
+            # batch_generate's rows also go through its hand-over of the padding
+            pids = [pid] + ([DELTAS[HANDED]] if path == "batch_generate" and HANDED else [])
             broken = [p for p in pids if affected(p)]
             yield pytest.param(model_type, path, None, id=f"{model_type}-{path}-stock",
                                marks=xfail_if_affected(broken[0] if broken else pid))
     yield pytest.param("qwen3_5", "mlx-vlm", ["mlx-vlm-gated-delta-advance"], id="qwen3_5-mlx-vlm-no-advance",
                        marks=xfail_if_affected("mlx-vlm-gated-delta-advance"))
-    for model_type in vlm.MODEL_TYPES:
-        yield pytest.param(model_type, "batch_generate", [DELTAS], id=f"{model_type}-batch_generate-own-deltas",
-                           marks=xfail_if_affected(DELTAS))
+    for handed, pid in DELTAS.items():
+        if handed == HANDED:
+            for model_type in vlm.MODEL_TYPES:
+                yield pytest.param(model_type, "batch_generate", [pid], id=f"{model_type}-batch_generate-own-deltas",
+                                   marks=xfail_if_affected(pid))
 
 
 @pytest.mark.parametrize("model_type,path,reverted", list(_stock_cases()), indirect=["reverted"])
@@ -88,7 +92,7 @@ def test_unpatched_batching_fails_where_affected(model_type, path, reverted):
     _skip_unless_driven(model_type)
     if path not in PATHS:
         pytest.skip(f"this mlx-vlm has no {path} path")
-    if path == "batch_generate" and not vlm.batch_generate_strips_padding():
+    if path == "batch_generate" and HANDED is None:
         pytest.skip(GAP)
     built = vlm.build(model_type)
     assert vlm.batched_problem(built, model_type, PATHS[path]) is None
@@ -139,7 +143,7 @@ def test_mlx_vlm_patches_are_decided_when_mlx_vlm_model_code_is_imported():
     before, after, status = ran.json()
     expected = {pid: ROWS[pid].state for pid in before}
     assert set(before) == {"mlx-vlm-qwen3-5-batch-positions", "mlx-vlm-qwen3-vl-batch-positions",
-                           "mlx-vlm-gated-delta-advance", DELTAS}
+                           "mlx-vlm-gated-delta-advance", *DELTAS.values()}
     for pid, state in expected.items():
         if state == "applied":
             assert before[pid] == "pending" and after[pid] == "applied", (pid, before[pid], after[pid])

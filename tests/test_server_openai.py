@@ -245,7 +245,7 @@ def _continuable(reference, follow_up):
         second = _messages(follow_up, system=False, history=[first[-1], {"role": "assistant", "content": ref1.text}])
         if reference(second).prompt[:len(ref1.fed)] == ref1.fed:
             return first, second
-    raise AssertionError(f"no candidate question re-tokenizes its answer exactly: add candidates")
+    raise AssertionError("no candidate question re-tokenizes its answer exactly: add candidates")
 
 
 def _conversation(client, reference, follow_up, **extra):

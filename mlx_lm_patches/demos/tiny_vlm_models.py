@@ -361,13 +361,36 @@ def unsupported_api(model_type: str) -> Optional[str]:
             f"({'; '.join(problems)})")
 
 
-def batch_generate_strips_padding() -> bool:
-    """mlx-vlm's ``BatchGenerator.insert`` takes the batch's attention mask and strips the
-    padding (0.7); before, ``batch_generate`` inserts its padded rows as prompt tokens
-    (0.5 - 0.6.x, a gap this package does not fix yet)."""
+def batch_generate_padding() -> Optional[str]:
+    """How the installed mlx-vlm's ``batch_generate`` hands its left-padded rows to its
+    ``BatchGenerator``: ``"stripped"`` (``insert`` takes the attention mask and strips the
+    padding, 0.7), ``"told"`` (the generator is told each row's padding,
+    ``existing_left_padding``, 0.6.15 - 0.6.17), or ``None`` (the padding is inserted as prompt
+    tokens, 0.5 - 0.6.14: a gap this package does not fix yet)."""
     import inspect
 
-    return "attention_mask" in inspect.signature(_generation_module().BatchGenerator.insert).parameters
+    generator = _generation_module().BatchGenerator
+    if "attention_mask" in inspect.signature(generator.insert).parameters:
+        return "stripped"
+    if "existing_left_padding" in inspect.signature(generator.__init__).parameters:
+        return "told"
+    return None
+
+
+def batch_generate_scenario(model_type: str, padding: str):
+    """The scenario of a fix of ``batch_generate``'s padded rows handed over as ``padding`` (see
+    :func:`batch_generate_padding`): not applicable where this mlx-vlm hands them over
+    otherwise, else :func:`scenario_outcome` through the ``batch_generate`` path."""
+    from mlx_lm_patches.engine.contract import Outcome
+
+    if available(model_type) and not unsupported_api(model_type) and takes_rows():
+        handed = batch_generate_padding()
+        if handed != padding:
+            how = {"stripped": "strips them (insert takes the attention mask)",
+                   "told": "tells its generator each row's padding (existing_left_padding)",
+                   None: "inserts them as prompt tokens (another bug, not fixed yet)"}[handed]
+            return Outcome.not_applicable(f"this mlx-vlm's batch_generate {how}, not the hand-over this fix is about")
+    return scenario_outcome(model_type, only=("batch_generate",))
 
 
 def scenario_outcome(model_type: str, only=None):
@@ -494,4 +517,34 @@ def unpadded_deltas_problem(generation_module) -> Optional[str]:
         return (f"_unpad_batch_prompts strips row 0 to {len(rows[0])} tokens (positions "
                 f"{kwargs[0]['position_ids'].reshape(-1).tolist()}) but keeps rope_deltas {kept} of the "
                 f"padded width (the row alone: {own})")
+    return None
+
+
+def left_padding_deltas_problem(generation_module) -> Optional[str]:
+    """Evidence that ``generation_module.BatchGenerator.insert``, on a generator told
+    ``existing_left_padding``, keeps a padded row's ``rope_deltas`` of the padded width (the
+    row's offset then counts its real tokens only), or None. Two rows of width 3, the first
+    left-padded by 1, positions as ``get_rope_index`` gives them under the attention mask; the
+    generator is a bare stand-in holding what ``insert`` reads (no model is built)."""
+    import inspect
+    import types
+
+    import mlx.core as mx
+
+    generator = getattr(generation_module, "BatchGenerator", None)
+    if generator is None or "existing_left_padding" not in inspect.signature(generator.__init__).parameters:
+        return None
+    mask = mx.array([[0, 1, 1], [1, 1, 1]])
+    positions = mx.array([[1, 0, 1], [0, 1, 2]])  # cumsum(mask) - 1, padding at 1
+    deltas = positions.max(axis=-1, keepdims=True) + 1 - mask.shape[-1]
+    kwargs = [{"position_ids": positions[i:i + 1], "rope_deltas": deltas[i:i + 1]} for i in range(2)]
+    bare = types.SimpleNamespace(max_tokens=4, logits_processors=[], uid_count=0, _unprocessed_sequences=[],
+                                 _existing_left_padding=[1, 0])
+    generator.insert(bare, [[0, 5, 6], [7, 8, 9]], 4, prompt_kwargs=kwargs)
+    stored = {entry[0]: entry[3] for entry in bare._unprocessed_sequences}
+    kept = stored[0]["rope_deltas"].reshape(-1)[0].item()
+    own = positions[0, 1:].max().item() + 1 - 2
+    if kept != own:
+        return (f"BatchGenerator.insert with existing_left_padding [1, 0] keeps row 0's rope_deltas "
+                f"{kept} of the padded width (its offset counts its 2 real tokens: the row alone has {own})")
     return None

@@ -58,7 +58,6 @@ def language_model_call(attention_cache_index):
     ``attention_cache_index(instance)``: which cache entry holds an attention layer's offset."""
 
     def wrapper(wrapped, instance, args, kwargs):
-        import mlx.core as mx
 
         call = _bind(args, kwargs, ("inputs", "inputs_embeds", "mask", "cache"))
         cache = call.get("cache")
@@ -117,3 +116,14 @@ def attention_call(wrapped, instance, args, kwargs):
     if not isinstance(padded, int):
         padded = mask.shape[-1] if isinstance(mask, mx.array) else 0
     return wrapped(x, mask, IntOffsetView(cache, padded), position_ids)
+
+
+def own_rope_deltas(position_ids, length: int, rope_deltas):
+    """The ``rope_deltas`` of a row whose real tokens have ``position_ids`` (sequence on the last
+    axis, padding excluded) and number ``length``: ``max(position) + 1 - length``, what
+    ``get_rope_index`` gives the row alone (0 for text; the image/video shift otherwise), in
+    the shape and dtype of the row's ``rope_deltas``."""
+    import mlx.core as mx
+
+    own = position_ids.max().astype(mx.int64) + 1 - length
+    return mx.broadcast_to(own, rope_deltas.shape).astype(rope_deltas.dtype)

@@ -47,12 +47,13 @@ MODULE = "mlx_vlm.generate.ar"
 def _own_deltas(rows, width, prompt_kwargs):
     import mlx.core as mx
 
+    from mlx_lm_patches.mechanisms.vlm_positions import own_rope_deltas
+
     for ids, kwargs in zip(rows, prompt_kwargs):
         deltas, positions = kwargs.get("rope_deltas"), kwargs.get("position_ids")
         if len(ids) == width or not isinstance(deltas, mx.array) or not isinstance(positions, mx.array):
             continue
-        own = positions.max().astype(mx.int64) + 1 - len(ids)
-        kwargs["rope_deltas"] = mx.broadcast_to(own, deltas.shape).astype(deltas.dtype)
+        kwargs["rope_deltas"] = own_rope_deltas(positions, len(ids), deltas)
 
 
 def _width(prompts, attention_mask):
@@ -86,11 +87,5 @@ def scenario():
     ``BatchGenerator`` as ``batch_generate`` feeds them (one padded batch, its attention mask
     and embeddings) equal each prompt alone through mlx-vlm's ``generate_step``."""
     from mlx_lm_patches.demos import tiny_vlm_models as vlm
-    from mlx_lm_patches.engine.contract import Outcome
 
-    if vlm.available("qwen3_5") and not vlm.unsupported_api("qwen3_5") and vlm.takes_rows() \
-            and not vlm.batch_generate_strips_padding():
-        return Outcome.not_applicable(
-            "this mlx-vlm's batch_generate inserts its padded rows as prompt tokens (its "
-            "BatchGenerator.insert takes no attention mask): another bug, not fixed yet")
-    return vlm.scenario_outcome("qwen3_5", only=("batch_generate",))
+    return vlm.batch_generate_scenario("qwen3_5", "stripped")
