@@ -129,6 +129,7 @@ PYTHON_ONLY = (
     "test_engine_fake.py",
     "test_env.py",
     "test_matrix_file.py",
+    "test_run_matrix.py",
     "test_cli.py::test_status_text_and_disabled_activation",
     "test_cli.py::test_status_exits_non_zero_when_a_patch_failed",
     "test_cli.py::test_check_unknown_id_is_a_clear_error",

@@ -1,0 +1,84 @@
+"""tools/run_matrix.py's own logic: the schedule (every row once, longest first, no two cold
+compilations of one mlx version at once while anything else is left) and the kernel caches
+(a session's private copy, merged back file by file)."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+TOOL = Path(__file__).resolve().parent.parent / "tools" / "run_matrix.py"
+
+
+@pytest.fixture(scope="module")
+def run_matrix():
+    if not TOOL.is_file():
+        pytest.skip("not running from a checkout")
+    spec = importlib.util.spec_from_file_location("run_matrix", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _rows(*pairs):
+    return [dict(name=f"row{i}-mlx{mlx}", mlx=mlx) for i, (mlx, _) in enumerate(pairs)], {
+        f"row{i}-mlx{mlx}": seconds for i, (mlx, seconds) in enumerate(pairs)}
+
+
+def _timeline(plans, durations):
+    """(start, end, row) of every planned row, workers running their plans back to back."""
+    spans = []
+    for plan in plans:
+        clock = 0.0
+        for row in plan:
+            spans.append((clock, clock + durations[row["name"]], row))
+            clock += durations[row["name"]]
+    return spans
+
+
+def test_every_row_runs_once_longest_first_and_balanced(run_matrix):
+    rows, durations = _rows(("a", 400), ("b", 350), ("c", 300), ("a", 250), ("d", 200), ("b", 150),
+                            ("c", 100), ("d", 50), ("e", 40))
+    plans = run_matrix.schedule(rows, durations, 2)
+    planned = [row["name"] for plan in plans for row in plan]
+    assert sorted(planned) == sorted(durations) and len(planned) == len(set(planned))
+    loads = [sum(durations[row["name"]] for row in plan) for plan in plans]
+    assert max(loads) - min(loads) <= 100, loads  # a greedy longest-first split of 1840 s
+    for plan in plans:
+        assert plan[0]["name"] in ("row0-mlxa", "row1-mlxb")
+
+
+def test_a_version_compiling_cold_is_not_started_twice_at_once(run_matrix):
+    rows, durations = _rows(("a", 400), ("a", 300), ("d", 300), ("b", 100), ("b", 90), ("c", 80))
+    spans = {row["name"]: (start, end) for start, end, row in
+             _timeline(run_matrix.schedule(rows, durations, 2), durations)}
+    # longest first would start the second "a" row at once, beside the first, both compiling
+    assert spans["row0-mlxa"] == (0, 400) and spans["row2-mlxd"] == (0, 300)
+    assert spans["row1-mlxa"][0] >= 400, spans
+
+
+def test_with_only_one_version_left_both_workers_still_run(run_matrix):
+    rows, durations = _rows(("a", 100), ("a", 100))
+    plans = run_matrix.schedule(rows, durations, 2)
+    assert sorted(len(plan) for plan in plans) == [1, 1]
+
+
+def test_a_session_copies_the_shared_kernels_and_merges_back_only_new_files(run_matrix, tmp_path, monkeypatch):
+    monkeypatch.setattr(run_matrix, "WORK", tmp_path / "work")
+    monkeypatch.setattr(run_matrix, "KERNEL_CACHES", tmp_path / "caches")
+    shared = tmp_path / "caches" / "0.30.4" / "mlx" / "0.30.4"
+    shared.mkdir(parents=True)
+    (shared / "old.so").write_bytes(b"old")
+    tmp = run_matrix.session_tmp(dict(name="row", mlx="0.30.4"))
+    copied = tmp / "mlx" / "0.30.4"
+    assert (copied / "old.so").read_bytes() == b"old"
+    (copied / "old.so").write_bytes(b"rewritten")  # the shared file is a copy, never written through
+    assert (shared / "old.so").read_bytes() == b"old"
+    (copied / "new.so").write_bytes(b"new")
+    (tmp / "pytest-of-someone").mkdir()  # what tests leave in TMPDIR is not a kernel
+    assert run_matrix.keep_kernels(tmp, "0.30.4") == 1
+    assert sorted(p.name for p in shared.iterdir()) == ["new.so", "old.so"]
+    assert (shared / "old.so").read_bytes() == b"old" and (shared / "new.so").read_bytes() == b"new"
+    assert not (tmp_path / "caches" / "0.30.4" / "pytest-of-someone").exists()
+    fresh = run_matrix.session_tmp(dict(name="row", mlx="0.30.4"))  # a rerun starts clean
+    assert sorted(p.name for p in (fresh / "mlx" / "0.30.4").iterdir()) == ["new.so", "old.so"]
