@@ -75,10 +75,12 @@ def test_a_session_copies_the_shared_kernels_and_merges_back_only_new_files(run_
     (copied / "old.so").write_bytes(b"rewritten")  # the shared file is a copy, never written through
     assert (shared / "old.so").read_bytes() == b"old"
     (copied / "new.so").write_bytes(b"new")
+    long_name = "lib" + "B" * 240 + ".so"  # mlx's kernel names come close to the 255-byte limit
+    (copied / long_name).write_bytes(b"long")
     (tmp / "pytest-of-someone").mkdir()  # what tests leave in TMPDIR is not a kernel
-    assert run_matrix.keep_kernels(tmp, "0.30.4") == 1
-    assert sorted(p.name for p in shared.iterdir()) == ["new.so", "old.so"]
+    assert run_matrix.keep_kernels(tmp, "0.30.4") == 2
+    assert sorted(p.name for p in shared.iterdir()) == sorted([long_name, "new.so", "old.so"])
     assert (shared / "old.so").read_bytes() == b"old" and (shared / "new.so").read_bytes() == b"new"
     assert not (tmp_path / "caches" / "0.30.4" / "pytest-of-someone").exists()
     fresh = run_matrix.session_tmp(dict(name="row", mlx="0.30.4"))  # a rerun starts clean
-    assert sorted(p.name for p in (fresh / "mlx" / "0.30.4").iterdir()) == ["new.so", "old.so"]
+    assert sorted(p.name for p in (fresh / "mlx" / "0.30.4").iterdir()) == sorted([long_name, "new.so", "old.so"])

@@ -195,18 +195,27 @@ def session_tmp(row) -> Path:
 
 def keep_kernels(tmp: Path, mlx_version: str) -> int:
     """Add the kernels a passing session compiled to its mlx version's shared cache; each file is
-    written beside its place and renamed into it, so a session seeding meanwhile copies whole
-    files only. The number of files added."""
+    written under a short name in the cache's ``.incoming`` folder (kernel names come close to
+    the 255-byte limit) and renamed into place, so a session seeding meanwhile copies whole files
+    only. A file that cannot be added is left out (the cache only saves time). The number of
+    files added."""
     compiled, shared = tmp / "mlx", KERNEL_CACHES / mlx_version / "mlx"
+    incoming = KERNEL_CACHES / mlx_version / ".incoming"
     added = 0
     for path in compiled.rglob("*") if compiled.is_dir() else ():
         target = shared / path.relative_to(compiled)
-        if path.is_file() and not target.exists():
+        if not path.is_file() or target.exists():
+            continue
+        partial = incoming / f"{os.getpid()}-{threading.get_ident()}-{added}"
+        try:
+            incoming.mkdir(parents=True, exist_ok=True)
             target.parent.mkdir(parents=True, exist_ok=True)
-            partial = target.with_name(f".{target.name}.{os.getpid()}.{threading.get_ident()}")
             shutil.copy2(path, partial)
             os.replace(partial, target)
             added += 1
+        except OSError as error:
+            print(f"run_matrix: kernel {path.name} not kept: {error}", file=sys.stderr, flush=True)
+            partial.unlink(missing_ok=True)
     return added
 
 
