@@ -72,6 +72,38 @@ def test_automatic_activation_without_apply_and_nothing_on_stdout():
         assert "'mamba-cache-compat': 'applied'" in ran.stderr
 
 
+def test_activation_triggers_are_mlx_lm_and_every_patched_package(the_matrix):
+    """The bootstrap cannot read the matrix at interpreter start (that would cost more than the
+    1 ms budget), so it lists the packages whose first import activates the engine; they must be
+    mlx-lm and every distribution a patch names, or that distribution's fixes would wait for an
+    import of mlx_lm that may never come (mlx-vlm 0.7 does not import it)."""
+    import _mlx_lm_patches_boot as boot
+
+    named = {spec.package.replace("-", "_") for spec in the_matrix.patches}
+    assert set(boot.TRIGGERS) == {"mlx_lm"} | named
+
+
+def test_first_import_of_a_patched_package_activates_without_mlx_lm():
+    """A process whose first import among them is ``mlx_vlm`` activates the engine at that
+    lookup (whether mlx-vlm is installed or not: the lookup is what the finder sees), without
+    importing mlx_lm itself: where mlx_lm was not imported, mlx-lm's patches stay pending."""
+    ran = run_python("""
+        import sys
+        try:
+            import mlx_vlm
+        except ImportError:
+            pass
+        import mlx_lm_patches
+        states = {r.id: r.state for r in mlx_lm_patches.status()}
+        print("mlx_lm" in sys.modules, states["mamba-cache-compat"])
+    """, env={"MLX_LM_PATCHES_DEBUG": "1"})
+    assert ran.returncode == 0, ran.stderr
+    assert "automatic activation via pth" in ran.stderr, ran.stderr[-2000:]
+    imported_mlx_lm, state = ran.stdout.split()
+    if imported_mlx_lm == "False":  # mlx-vlm 0.7 does not import mlx_lm (older ones do)
+        assert state == "pending", state
+
+
 def test_pth_runs_twice_but_applies_once():
     ran = run_python(f"""
         import site, sys

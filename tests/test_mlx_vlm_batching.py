@@ -150,7 +150,31 @@ def test_mlx_vlm_patches_are_decided_when_mlx_vlm_model_code_is_imported():
         else:
             assert before[pid] == after[pid] == state
     version = versions.installed("mlx-vlm").describe()
-    assert f", mlx-vlm {version}\n" in status.splitlines(True)[0], status.splitlines()[0]
+    assert f", mlx-vlm {version}," in status.splitlines()[0] + ",", status.splitlines()[0]
     line = next(x for x in status.splitlines() if x.split()[:1] == ["mlx-vlm-qwen3-5-batch-positions"])
     assert line.split()[1:3] == [ROWS["mlx-vlm-qwen3-5-batch-positions"].state, "affected"], line
     assert line.split()[3:] == ["mlx-vlm", ROWS["mlx-vlm-qwen3-5-batch-positions"].affected], line
+
+
+@pytest.mark.subprocess
+def test_batch_generate_fix_applies_in_a_process_that_never_imports_mlx_lm():
+    """mlx-vlm 0.7 does not import mlx-lm: a script that only uses mlx-vlm activates the package
+    at its first ``import mlx_vlm``, so the fix of ``batch_generate``'s hand-over is applied
+    when mlx-vlm's generation module is imported, and batched rows equal each alone."""
+    if HANDED not in DELTAS or ROWS[DELTAS[HANDED]].state != "applied":
+        pytest.skip(f"this mlx-vlm's batch_generate hand-over is not one the package fixes ({HANDED})")
+    pid = DELTAS[HANDED]
+    ran = run_python(f"""
+        import importlib, json, sys
+        generation = importlib.import_module("mlx_vlm.generate")  # (the attribute is a function)
+        importlib.import_module(generation.BatchGenerator.__module__)
+        imported_mlx_lm = "mlx_lm" in sys.modules
+        import mlx_lm_patches
+        state = {{r.id: r.state for r in mlx_lm_patches.status()}}[{pid!r}]
+        outcome = importlib.import_module("mlx_lm_patches.patches." + {pid!r}.replace("-", "_")).scenario()
+        print(json.dumps([imported_mlx_lm, state, outcome.ok, outcome.summary]))
+    """, timeout=600)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    imported_mlx_lm, state, ok, summary = ran.json()
+    assert state == "applied", (imported_mlx_lm, state)
+    assert ok, summary

@@ -3,11 +3,14 @@
 
 Installed as a *top-level* module so that arming costs one small import: standard library only
 (``sys``, plus ``os`` which site already imported), and not even our package is imported until
-something imports ``mlx_lm``. It puts a one-shot finder on ``sys.meta_path``; when ``mlx_lm`` is
-first looked up, the finder hands over to ``mlx_lm_patches.engine.core``, which registers post-import
-hooks on the modules that define each patch target *before* ``mlx_lm`` runs its ``__init__`` (so
-``from x import y`` copies inside mlx-lm see patched objects), then lets the import proceed. If
-``mlx_lm`` is already imported when we are armed, the engine applies late and warns.
+something imports ``mlx_lm`` (or ``mlx_vlm`` or ``vllm_mlx``: ``TRIGGERS``). It puts a one-shot
+finder on ``sys.meta_path``; when one of them is first looked up, the finder hands over to
+``mlx_lm_patches.engine.core``, which registers post-import hooks on the modules that define each
+patch target *before* that package runs its ``__init__`` (so ``from x import y`` copies inside it
+see patched objects), then lets the import proceed. mlx-vlm 0.7 no longer imports mlx-lm, and
+vllm-mlx may import a module a patch targets before it imports mlx-lm: waiting for ``mlx_lm``
+would patch them too late or never. If ``mlx_lm`` is already imported when we are armed, the
+engine applies late and warns.
 
 ``arm()`` is idempotent (in a virtualenv the ``.pth`` line runs twice per start) and never
 raises.
@@ -20,6 +23,9 @@ _OFF = ("0", "false", "no", "off")
 _ON = ("", "1", "true", "yes", "on")
 
 _armed_by = None  # "pth", "start", "sitecustomize" once armed
+# The top-level packages whose first import activates the engine: mlx-lm and every distribution
+# a patch in compat_matrix.yaml names as its ``package`` (a test keeps the two in step).
+TRIGGERS = ("mlx_lm", "mlx_vlm", "vllm_mlx")
 
 
 def armed_by():
@@ -45,7 +51,8 @@ def _enabled():
 
 
 class _MlxLmImportFinder:
-    """Activates the engine the first time ``mlx_lm`` is looked up; never finds anything itself.
+    """Activates the engine the first time one of ``TRIGGERS`` is looked up; never finds
+    anything itself.
 
     It stays on ``sys.meta_path`` as a no-op afterwards: removing a finder while the import
     system iterates ``sys.meta_path`` would make it skip the next finder.
@@ -56,7 +63,7 @@ class _MlxLmImportFinder:
         self.done = False
 
     def find_spec(self, fullname, path=None, target=None):
-        if self.done or (fullname != "mlx_lm" and not fullname.startswith("mlx_lm.")):
+        if self.done or fullname.partition(".")[0] not in TRIGGERS:
             return None
         self.done = True
         _activate(self.source, late=False)
