@@ -205,3 +205,76 @@ def test_enable_mtp_answers_equal_greedy(family, tmp_path_factory):
     for prompt, ref, answer in zip(prompts, want, answers):
         got = _generated(answer, ref)
         assert got == ref.tokens, (len(prompt), got, ref.tokens, answer.mtp_drafts)
+
+
+# -- the vision engine (MLLMBatchGenerator over an mlx-vlm model) ------------------------------
+
+VISION_PATCH = "vllm-mlx-qwen3-5-attention-kept"
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5", "qwen3_5_moe"])
+def test_vision_engine_text_requests_equal_each_alone(model_type):
+    """vllm-mlx's ``MLLMBatchGenerator`` (what it serves vision-language checkpoints with) on a
+    tiny mlx-vlm model: text requests of 3, 17 and 9 tokens sent at once give each request's
+    greedy tokens and log-probabilities (within 1e-4) of the prompt alone through mlx-vlm's
+    ``generate_step``."""
+    from mlx_lm_patches.demos import tiny_vlm_models, tiny_vllm_mlx
+
+    if not tiny_vllm_mlx.available(model_type):
+        pytest.skip(f"mlx-vlm's {model_type} or vllm-mlx's vision engine is not installed")
+    assert tiny_vllm_mlx.batched_problem(tiny_vlm_models.build(model_type), model_type) is None
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize("pid", [pytest.param(VISION_PATCH, marks=xfail_if_affected(VISION_PATCH))])
+def test_stock_vision_engine_is_wrong_where_affected(pid):
+    """Without the patch (fresh interpreter, ``MLX_LM_PATCHES_DISABLE``) vllm-mlx's own attention
+    replacement decodes the shorter rows over their padding: a strict xfail where the matrix
+    says the installed vllm-mlx is affected."""
+    ran = run_python("""
+        import json
+        from mlx_lm_patches.demos import tiny_vlm_models, tiny_vllm_mlx
+        print(json.dumps(tiny_vllm_mlx.batched_problem(tiny_vlm_models.build("qwen3_5"), "qwen3_5")))
+    """, env={"MLX_LM_PATCHES_DISABLE": pid}, timeout=600)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert json.loads(ran.stdout.strip().splitlines()[-1]) is None
+
+
+@pytest.mark.subprocess
+def test_applied_after_vllm_mlx_replaced_the_attention_is_a_clear_error():
+    """Applied explicitly after vllm-mlx already replaced mlx-vlm's attention in the process (its
+    generator built first, the package off until then): the replacement cannot be undone, so
+    ``apply`` raises naming the order to use, instead of reporting a fix that is not there."""
+    if ROWS[VISION_PATCH].state != "applied":
+        pytest.skip(f"{VISION_PATCH} is {ROWS[VISION_PATCH].state} here")
+    ran = run_python(f"""
+        from mlx_lm_patches.demos import tiny_vlm_models, tiny_vllm_mlx
+        from vllm_mlx.mllm_batch_generator import MLLMBatchGenerator
+        MLLMBatchGenerator(tiny_vlm_models.build("qwen3_5"), processor=None, enable_vision_cache=False)
+        import mlx_lm_patches
+        try:
+            mlx_lm_patches.apply(only=[{VISION_PATCH!r}])
+        except mlx_lm_patches.PatchError as error:
+            print("REFUSED", error)
+    """, env={"MLX_LM_PATCHES": "0"}, timeout=600)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert "REFUSED" in ran.stdout and "before vllm-mlx builds its MLLMBatchGenerator" in ran.stdout, ran.stdout
+
+
+@pytest.mark.subprocess
+def test_vision_engine_built_before_mlx_lm_is_imported_is_exact():
+    """As a user script runs it: vllm-mlx's generator module imported first (it does not import
+    mlx_lm; the module holding its attention replacement is imported, and the function bound,
+    inside ``MLLMBatchGenerator.__init__``, which only then imports mlx_lm). The package activates
+    at the first lookup of ``vllm_mlx``, so the fix is in place when the function is bound."""
+    ran = run_python("""
+        import json, sys
+        from vllm_mlx.mllm_batch_generator import MLLMBatchGenerator  # noqa: F401
+        early = "mlx_lm" in sys.modules
+        from mlx_lm_patches.demos import tiny_vlm_models, tiny_vllm_mlx
+        problem = tiny_vllm_mlx.batched_problem(tiny_vlm_models.build("qwen3_5"), "qwen3_5")
+        print(json.dumps([early, problem]))
+    """, timeout=600)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    early, problem = json.loads(ran.stdout.strip().splitlines()[-1])
+    assert problem is None, (early, problem)

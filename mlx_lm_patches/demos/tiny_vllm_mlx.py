@@ -1,0 +1,175 @@
+"""vllm-mlx's vision engine (``MLLMBatchGenerator``) on a tiny mlx-vlm Qwen3.5, and its checks.
+
+vllm-mlx serves vision-language checkpoints with ``MLLMBatchGenerator``: each request is
+prefilled alone through the mlx-vlm model, then the rows are merged into one left-padded batch
+cache and decoded together. Text requests are given as token ids (``MLLMBatchRequest.input_ids``:
+vllm-mlx then skips its processor), greedy, so no processor or tokenizer is needed.
+
+The reference is the model's single-sequence path, mlx-vlm's ``generate_step`` of each prompt
+alone (:func:`mlx_lm_patches.demos.tiny_vlm_models.single`): the same greedy tokens and
+log-probabilities within :data:`mlx_lm_patches.demos.scenarios.LOGPROB_TOLERANCE`.
+
+Importing this module imports neither vllm-mlx nor mlx-vlm.
+"""
+
+import importlib
+import importlib.util
+from contextlib import contextmanager
+from typing import List, Optional
+
+from mlx_lm_patches.demos import tiny_vlm_models as vlm
+
+MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")  # the MoE model's attention is the same class
+LANGUAGE = "mlx_vlm.models.qwen3_5.language"
+VLLM_PATCH = "vllm_mlx.patches.qwen3_5_mllm"
+PROMPT_LENGTHS = (3, 17, 9)
+MAX_TOKENS = 6
+
+
+def available(model_type: str = "qwen3_5") -> bool:
+    """vllm-mlx (with its vision engine) and mlx-vlm's ``model_type`` are installed."""
+    try:
+        return (importlib.util.find_spec("vllm_mlx.mllm_batch_generator") is not None
+                and vlm.available(model_type))
+    except ModuleNotFoundError:
+        return False
+
+
+@contextmanager
+def attention_as_found():
+    """mlx-vlm's ``Qwen3_5Attention`` restored on exit as it was on entry: vllm-mlx's generator
+    replaces its ``__call__`` for the whole process, so a scenario run stock would otherwise
+    leave the replacement behind for the next run."""
+    cls = importlib.import_module(LANGUAGE).Qwen3_5Attention
+    saved = {name: vars(cls)[name] for name in ("__call__", "_batch_patched") if name in vars(cls)}
+    try:
+        yield cls
+    finally:
+        for name in ("__call__", "_batch_patched"):
+            if name in saved:
+                setattr(cls, name, saved[name])
+            elif name in vars(cls):
+                delattr(cls, name)
+
+
+def prompts() -> List[List[int]]:
+    from mlx_lm_patches.demos.scenarios import prompt_tokens
+
+    return [prompt_tokens(n, seed=n) for n in PROMPT_LENGTHS]
+
+
+def mllm_batched(model, rows, max_tokens: int = MAX_TOKENS):
+    """``rows`` (token ids) sent at once to vllm-mlx's ``MLLMBatchGenerator``, greedy; one
+    :class:`~mlx_lm_patches.demos.scenarios.Decoded` per row, in order."""
+    import mlx.core as mx
+    from vllm_mlx.mllm_batch_generator import MLLMBatchGenerator, MLLMBatchRequest
+
+    from mlx_lm_patches.demos.scenarios import Decoded
+
+    generator = MLLMBatchGenerator(model, processor=None, max_tokens=max_tokens, stop_tokens=set(),
+                                   prefill_batch_size=len(rows), completion_batch_size=len(rows),
+                                   enable_vision_cache=False)
+    try:
+        requests = [MLLMBatchRequest(uid=-1, request_id=f"row{i}", prompt="", max_tokens=max_tokens,
+                                     temperature=0.0, top_p=1.0, input_ids=mx.array([row]))
+                    for i, row in enumerate(rows)]
+        generator.insert(requests)
+        decoded = {request.request_id: Decoded([], []) for request in requests}
+        finished = set()
+        for _ in range(len(rows) * (max_tokens + 2) + 8):  # bounded: each step yields a token per row
+            for response in generator.next():
+                if response.request_id in finished:
+                    continue
+                row = decoded[response.request_id]
+                row.tokens.append(int(response.token))
+                row.logprobs.append(response.logprobs.reshape(-1))
+                if response.finish_reason is not None:
+                    finished.add(response.request_id)
+            if len(finished) == len(rows):
+                break
+        else:
+            raise RuntimeError(f"MLLMBatchGenerator finished {len(finished)} of {len(rows)} requests")
+        return [decoded[request.request_id] for request in requests]
+    finally:
+        close = getattr(generator, "close", None)
+        if callable(close):
+            close()
+
+
+def batched_problem(model, model_type: str) -> Optional[str]:
+    """``None`` if every row of :func:`prompts` decoded together by vllm-mlx's vision engine
+    equals the row alone (mlx-vlm's ``generate_step``), else what differs."""
+    rows = prompts()
+    reference = [vlm.single(model, row, MAX_TOKENS) for row in rows]
+    with attention_as_found():
+        got = mllm_batched(model, rows)
+    for i, (ref, decoded) in enumerate(zip(reference, got)):
+        problem = ref.compare(decoded)
+        if problem:
+            return f"vllm-mlx MLLMBatchGenerator, mlx-vlm {model_type}, prompt {i} ({len(rows[i])} tokens): {problem}"
+    return None
+
+
+def scenario_outcome(model_type: str = "qwen3_5"):
+    """Text requests of 3, 17 and 9 tokens sent at once to vllm-mlx's vision engine on a tiny
+    mlx-vlm ``model_type`` equal each prompt alone."""
+    from mlx_lm_patches.engine.contract import Outcome
+
+    if not available(model_type):
+        return Outcome.not_applicable(f"vllm-mlx's vision engine or mlx-vlm's {model_type} is not installed")
+    why = vlm.unsupported_api(model_type)
+    if why:
+        return Outcome.not_applicable(why)
+    model = vlm.build(model_type)
+    try:
+        problem = batched_problem(model, model_type)
+    except Exception as exc:
+        return Outcome.failure(f"vllm-mlx MLLMBatchGenerator on a tiny mlx-vlm {model_type}", exc)
+    if problem:
+        return Outcome.failure(problem)
+    return Outcome(True, f"vllm-mlx MLLMBatchGenerator (mlx-vlm {model_type}): text requests of "
+                         f"{'/'.join(map(str, PROMPT_LENGTHS))} tokens at once equal each alone")
+
+
+def attention_replacement_problem(vllm_patch_module) -> Optional[str]:
+    """Evidence that vllm-mlx's ``patch_qwen35_attention_for_batching`` would change what mlx-vlm's
+    ``Qwen3_5Attention`` computes for a left-padded batch: the replacement is applied to a
+    throwaway subclass (mlx-vlm's class untouched), and one decode step of two rows, one with
+    two tokens of left padding, is run through both on identical caches. ``None`` where the
+    outputs agree (the replacement is harmless on this mlx-vlm)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache
+
+    language = importlib.import_module(LANGUAGE)
+    own = language.Qwen3_5Attention
+    if "_batch_patched" in vars(own):
+        return ("vllm-mlx already replaced mlx-vlm's Qwen3_5Attention.__call__ in this process "
+                "(its generator was built before this patch was applied)")
+    replaced = type(own.__name__, (own,), {"__module__": own.__module__})
+    language.Qwen3_5Attention = replaced
+    try:
+        vllm_patch_module.patch_qwen35_attention_for_batching()
+    finally:
+        language.Qwen3_5Attention = own
+    if "__call__" not in vars(replaced):
+        return None  # this vllm-mlx no longer replaces the attention
+
+    model = vlm.build("qwen3_5")
+    attention = next(layer.self_attn for layer in model.language_model.model.layers
+                     if hasattr(layer, "self_attn"))
+    hidden = attention.q_proj.weight.shape[1]
+    mx.random.seed(3)
+    prompt, step = mx.random.normal((2, 3, hidden)), mx.random.normal((2, 1, hidden))
+
+    def decode(call):
+        cache = BatchKVCache([2, 0])
+        own.__call__(attention, prompt, mask=None, cache=cache)  # same prefill for both
+        cache._qwen3_5_decode_left_padding = [2, 0]  # as mlx-vlm's model marks a padded decode
+        return call(attention, step, mask="left_padded_decode", cache=cache)
+
+    expected, got = decode(own.__call__), decode(replaced.__call__)
+    gap = mx.abs(expected - got).max().item()
+    if gap > 1e-5:
+        return (f"vllm-mlx's replacement of mlx-vlm's Qwen3_5Attention.__call__ decodes a row with two "
+                f"tokens of left padding differently from mlx-vlm's own attention (max |diff| {gap:.3g})")
+    return None
