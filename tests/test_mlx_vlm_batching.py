@@ -20,7 +20,8 @@ from mlx_lm_patches.demos import tiny_vlm_models as vlm  # noqa: E402
 
 ROWS = {row.id: row for row in mlx_lm_patches.apply()}
 PATHS = vlm.paths()
-POSITIONS = {"qwen3_5": "mlx-vlm-qwen3-5-batch-positions", "qwen3_vl": "mlx-vlm-qwen3-vl-batch-positions"}
+POSITIONS = {"qwen3_5": "mlx-vlm-qwen3-5-batch-positions", "qwen3_vl": "mlx-vlm-qwen3-vl-batch-positions",
+             "qwen3_vl_moe": "mlx-vlm-qwen3-vl-moe-batch-positions"}
 # the fix of batch_generate's hand-over of its padded rows, by how this mlx-vlm hands them over
 DELTAS = {"stripped": "mlx-vlm-unpadded-rope-deltas", "told": "mlx-vlm-left-padding-rope-deltas"}
 HANDED = vlm.batch_generate_padding() if vlm.takes_rows() else None
@@ -123,17 +124,19 @@ def test_image_positions_at_different_row_offsets_are_refused():
 @pytest.mark.subprocess
 def test_mlx_vlm_patches_are_decided_when_mlx_vlm_model_code_is_imported():
     """Automatic activation: importing mlx_lm leaves the mlx-vlm patches pending (mlx-vlm is not
-    imported for them); importing mlx-vlm's Qwen3.5 language module (which imports the package,
-    its generation module included) decides them; ``status``
-    names the installed mlx-vlm and the range each of these patches is about."""
+    imported for them); importing mlx-vlm's language modules (the package, its generation module
+    included, comes with them) decides them; ``status`` names the installed mlx-vlm and the range
+    each of these patches is about."""
     from mlx_lm_patches.engine import versions
 
-    ran = run_python("""
-        import contextlib, io, json, mlx_lm, mlx_lm_patches
+    ran = run_python(f"""
+        import contextlib, importlib, importlib.util, io, json, mlx_lm, mlx_lm_patches
         from mlx_lm_patches.__main__ import main
-        before = {r.id: r.state for r in mlx_lm_patches.status() if r.package == "mlx-vlm"}
-        import mlx_vlm.models.qwen3_5.language
-        after = {r.id: r.state for r in mlx_lm_patches.status() if r.package == "mlx-vlm"}
+        before = {{r.id: r.state for r in mlx_lm_patches.status() if r.package == "mlx-vlm"}}
+        for model_type in {vlm.MODEL_TYPES!r}:
+            if importlib.util.find_spec("mlx_vlm.models." + model_type):
+                importlib.import_module("mlx_vlm.models." + model_type + ".language")
+        after = {{r.id: r.state for r in mlx_lm_patches.status() if r.package == "mlx-vlm"}}
         text = io.StringIO()
         with contextlib.redirect_stdout(text):
             main(["status"])
@@ -142,8 +145,7 @@ def test_mlx_vlm_patches_are_decided_when_mlx_vlm_model_code_is_imported():
     assert ran.returncode == 0, ran.stderr[-2000:]
     before, after, status = ran.json()
     expected = {pid: ROWS[pid].state for pid in before}
-    assert set(before) == {"mlx-vlm-qwen3-5-batch-positions", "mlx-vlm-qwen3-vl-batch-positions",
-                           "mlx-vlm-gated-delta-advance", *DELTAS.values()}
+    assert set(before) == {*POSITIONS.values(), "mlx-vlm-gated-delta-advance", *DELTAS.values()}
     for pid, state in expected.items():
         if state == "applied":
             assert before[pid] == "pending" and after[pid] == "applied", (pid, before[pid], after[pid])

@@ -5,7 +5,7 @@ Built in memory from a config dict through mlx-vlm's own classes (``get_model_an
 with every floating-point parameter replaced by a deterministic pseudo-random value
 (:func:`mlx_lm_patches.demos.tiny_models._randomize_parameters`). Text model: hidden size 64,
 vocabulary 256; Qwen3.5 (and Qwen3.5-MoE, 4 experts) has 4 layers (gated-delta, attention,
-gated-delta, attention), Qwen3-VL 2 attention layers. The vision tower is one small block;
+gated-delta, attention), Qwen3-VL (and Qwen3-VL-MoE, 4 experts) 2 attention layers. The vision tower is one small block;
 text-only generation never runs it.
 
 The checks compare batched text generation with the model's single-sequence path, mlx-vlm's
@@ -25,7 +25,7 @@ Importing this module does not import mlx-vlm; :func:`available` says whether it
 import importlib.util
 from typing import Any, Dict, List, Optional
 
-MODEL_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_vl")
+MODEL_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_vl", "qwen3_vl_moe")
 PROMPT_LENGTHS = (5, 9, 13)
 MAX_TOKENS = 6
 
@@ -58,6 +58,10 @@ def text_config(model_type: str) -> Dict[str, Any]:
     if model_type == "qwen3_vl":
         return dict(common, model_type="qwen3_vl_text", num_hidden_layers=2,
                     rope_theta=10000.0, rope_scaling={"type": "default", "mrope_section": [4, 2, 2]})
+    if model_type == "qwen3_vl_moe":
+        return dict(text_config("qwen3_vl"), model_type="qwen3_vl_moe_text", num_experts=4,
+                    num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
+                    moe_intermediate_size=32, norm_topk_prob=True)
     raise KeyError(model_type)
 
 

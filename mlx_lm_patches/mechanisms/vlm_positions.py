@@ -81,6 +81,26 @@ def language_model_call(attention_cache_index):
     return wrapper
 
 
+def mask_from_batch_cache(module_name):
+    """Wrapper of a Qwen3-VL style ``Model.__call__(inputs, inputs_embeds=None, mask=None,
+    cache=None, ...)`` that builds its mask from the cache *list* (no ``make_mask``, so left
+    padding is never masked): with per-row offsets and no mask given, the mask of the first
+    layer's batch cache, through ``create_attention_mask`` of ``module_name``."""
+    import sys
+
+    def wrapper(wrapped, instance, args, kwargs):
+        call = _bind(args, kwargs, ("inputs", "inputs_embeds", "mask", "cache"))
+        cache = call.get("cache")
+        first = cache[0] if cache else None
+        if call.get("mask") is not None or not rope_rows.is_row_offsets(getattr(first, "offset", None)):
+            return wrapped(*args, **kwargs)
+        hidden = call["inputs_embeds"] if call.get("inputs_embeds") is not None else call["inputs"]
+        call["mask"] = sys.modules[module_name].create_attention_mask(hidden, first)
+        return wrapped(**call)
+
+    return wrapper
+
+
 class IntOffsetView:
     """A batch cache as mlx-vlm's attention expects it: ``offset`` an int (the cache's padded
     length, so ``mask[..., :L + offset + 1]`` keeps the whole mask), everything else - above all

@@ -21,7 +21,7 @@ Fix
 
 Affected
     mlx-vlm <= 0.4.4; measured on 0.4.0 and 0.4.4 (beside mlx-lm 0.32.2). (qwen3_vl_moe is a
-    separate copy of this code and is not patched.)
+    separate copy of this code: ``mlx-vlm-qwen3-vl-moe-batch-positions``.)
     0.5.0 rewrote the code this patch wraps, so the range stops there; there its Qwen3-VL text
     batches were exact through mlx-lm's ``BatchGenerator`` (the tiny-model driver of mlx-vlm's
     own ``BatchGenerator`` does not fit 0.5.0's API, so that path was not run).
@@ -41,28 +41,14 @@ Metal
 
 import sys
 
-from mlx_lm_patches.mechanisms import rope_rows
 from mlx_lm_patches.mechanisms import vlm_positions
 
 MODULE = "mlx_vlm.models.qwen3_vl.language"
 
 
-def _mask_from_batch_cache(wrapped, instance, args, kwargs):
-    names = ("inputs", "inputs_embeds", "mask", "cache")
-    call = dict(zip(names, args))
-    call.update(kwargs)
-    cache = call.get("cache")
-    first = cache[0] if cache else None
-    if call.get("mask") is not None or not rope_rows.is_row_offsets(getattr(first, "offset", None)):
-        return wrapped(*args, **kwargs)
-    hidden = call["inputs_embeds"] if call.get("inputs_embeds") is not None else call["inputs"]
-    call["mask"] = sys.modules[MODULE].create_attention_mask(hidden, first)
-    return wrapped(**call)
-
-
 def apply(p):
     p.wrap(f"{MODULE}:LanguageModel.__call__", vlm_positions.language_model_call(lambda language_model: 0))
-    p.wrap(f"{MODULE}:Qwen3VLModel.__call__", _mask_from_batch_cache)
+    p.wrap(f"{MODULE}:Qwen3VLModel.__call__", vlm_positions.mask_from_batch_cache(MODULE))
     p.wrap(f"{MODULE}:Attention.__call__", vlm_positions.attention_call)
 
 

@@ -1,0 +1,62 @@
+"""mlx-vlm's Qwen3-VL-MoE language model decodes in batches: per-row positions, padding masked.
+
+Bug
+    mlx-vlm (<= 0.4.x) ships Qwen3-VL-MoE as a copy of its Qwen3-VL language model (MoE blocks in
+    place of the MLPs) with the same batching bugs: with mlx-lm's ``BatchKVCache`` (a per-row
+    ``offset``) ``LanguageModel.__call__`` gives every row row 0's rotary positions,
+    ``Qwen3VLMoEModel.__call__`` builds its mask from the cache list (left padding never
+    masked), and once it is masked the attention's ``mask[..., :L + cache.offset + 1]`` raises.
+    Batched text generation of prompts of different lengths (mlx-vlm's ``BatchGenerator``,
+    mlx-lm's ``BatchGenerator`` driving the language model) is silently wrong.
+
+Fix
+    The Qwen3-VL fix (``mlx-vlm-qwen3-vl-batch-positions``) on this module's classes: per-row
+    ``position_ids`` ``offset[row] + t`` for text (image/video rows at different offsets are
+    refused), the first layer's batch-cache mask, and the stock attention on a read-only view
+    whose ``offset`` is the int padded length. See ``mlx_lm_patches/mechanisms/vlm_positions.py``.
+
+Affected
+    mlx-vlm <= 0.4.4; measured on 0.4.0 (beside mlx-lm 0.32.2; tiny model, prompts of 5/9/13
+    tokens: wrong from the first token batched, exact with the fix). From 0.5.0 the code was
+    rewritten; on 0.6.17 and 0.7.10 its rows batched one by one are exact (measured).
+
+Upstream
+    https://github.com/Blaizzy/mlx-vlm/blob/v0.4.0/mlx_vlm/models/qwen3_vl_moe/language.py
+    (``LanguageModel.__call__``, ``Qwen3VLMoEModel.__call__``, ``Attention.__call__``);
+    https://github.com/Blaizzy/mlx-vlm/blob/v0.5.0/mlx_vlm/models/qwen3_vl_moe/language.py.
+
+Retire
+    When mlx-vlm < 0.5.0 is no longer supported.
+
+Metal
+    Same modules and kernels as the stock forward; only the position ids, the mask and the int
+    the mask slice reads differ.
+"""
+
+import sys
+
+from mlx_lm_patches.mechanisms import vlm_positions
+
+MODULE = "mlx_vlm.models.qwen3_vl_moe.language"
+
+
+def apply(p):
+    p.wrap(f"{MODULE}:LanguageModel.__call__", vlm_positions.language_model_call(lambda language_model: 0))
+    p.wrap(f"{MODULE}:Qwen3VLMoEModel.__call__", vlm_positions.mask_from_batch_cache(MODULE))
+    p.wrap(f"{MODULE}:Attention.__call__", vlm_positions.attention_call)
+
+
+def probe():
+    """Evidence that a two-layer Qwen3-VL-MoE language model gives a left-padded row of a
+    ``BatchKVCache`` batch something else than the row alone (or raises)."""
+    from mlx_lm_patches.demos.tiny_vlm_models import batched_rows_problem
+
+    return batched_rows_problem(sys.modules[MODULE], "qwen3_vl_moe")
+
+
+def scenario():
+    """A tiny random-weight mlx-vlm Qwen3-VL-MoE: prompts of 5, 9 and 13 tokens through mlx-vlm's
+    ``BatchGenerator`` and mlx-lm's equal each prompt alone through mlx-vlm's ``generate_step``."""
+    from mlx_lm_patches.demos.tiny_vlm_models import scenario_outcome
+
+    return scenario_outcome("qwen3_vl_moe", only=("mlx-vlm", "mlx-lm"))
