@@ -101,6 +101,15 @@ def mask_from_batch_cache(module_name):
     return wrapper
 
 
+def wrap_qwen3_vl_language(p, module_name: str, model_class: str) -> None:
+    """The Qwen3-VL fix on a module of its language model (Qwen3-VL, and its MoE copy):
+    per-row positions in ``LanguageModel.__call__``, the batch cache's mask in
+    ``<model_class>.__call__``, an int offset for the stock attention."""
+    p.wrap(f"{module_name}:LanguageModel.__call__", language_model_call(lambda language_model: 0))
+    p.wrap(f"{module_name}:{model_class}.__call__", mask_from_batch_cache(module_name))
+    p.wrap(f"{module_name}:Attention.__call__", attention_call)
+
+
 class IntOffsetView:
     """A batch cache as mlx-vlm's attention expects it: ``offset`` an int (the cache's padded
     length, so ``mask[..., :L + offset + 1]`` keeps the whole mask), everything else - above all

@@ -41,9 +41,7 @@ MODULE = "mlx_vlm.models.qwen3_vl_moe.language"
 
 
 def apply(p):
-    p.wrap(f"{MODULE}:LanguageModel.__call__", vlm_positions.language_model_call(lambda language_model: 0))
-    p.wrap(f"{MODULE}:Qwen3VLMoEModel.__call__", vlm_positions.mask_from_batch_cache(MODULE))
-    p.wrap(f"{MODULE}:Attention.__call__", vlm_positions.attention_call)
+    vlm_positions.wrap_qwen3_vl_language(p, MODULE, "Qwen3VLMoEModel")
 
 
 def probe():
