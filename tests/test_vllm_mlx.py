@@ -26,6 +26,7 @@ pytest.importorskip("vllm_mlx")
 
 import mlx_lm_patches  # noqa: E402
 from conftest import clean_env, run_python, xfail_if_affected  # noqa: E402
+from mlx_lm_patches.demos import tiny_vllm_mlx  # noqa: E402
 from mlx_lm_patches.demos.scenarios import prompt_tokens  # noqa: E402
 from mlx_lm_patches.demos.tiny_models import HYBRID_MODEL_TYPES  # noqa: E402
 
@@ -212,13 +213,13 @@ def test_enable_mtp_answers_equal_greedy(family, tmp_path_factory):
 VISION_PATCH = "vllm-mlx-qwen3-5-attention-kept"
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_5", "qwen3_5_moe"])
+@pytest.mark.parametrize("model_type", tiny_vllm_mlx.MODEL_TYPES)
 def test_vision_engine_text_requests_equal_each_alone(model_type):
     """vllm-mlx's ``MLLMBatchGenerator`` (what it serves vision-language checkpoints with) on a
     tiny mlx-vlm model: text requests of 3, 17 and 9 tokens sent at once give each request's
     greedy tokens and log-probabilities (within 1e-4) of the prompt alone through mlx-vlm's
     ``generate_step``."""
-    from mlx_lm_patches.demos import tiny_vlm_models, tiny_vllm_mlx
+    from mlx_lm_patches.demos import tiny_vlm_models
 
     if not tiny_vllm_mlx.available(model_type):
         pytest.skip(f"mlx-vlm's {model_type} or vllm-mlx's vision engine is not installed")

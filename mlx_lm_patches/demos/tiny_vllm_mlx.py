@@ -21,7 +21,6 @@ from mlx_lm_patches.demos import tiny_vlm_models as vlm
 
 MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")  # the MoE model's attention is the same class
 LANGUAGE = "mlx_vlm.models.qwen3_5.language"
-VLLM_PATCH = "vllm_mlx.patches.qwen3_5_mllm"
 PROMPT_LENGTHS = (3, 17, 9)
 MAX_TOKENS = 6
 

@@ -62,21 +62,13 @@ def apply(p):
 def probe():
     """Evidence that vllm-mlx's attention replacement, tried on a throwaway subclass, decodes a
     left-padded batch differently from mlx-vlm's own ``Qwen3_5Attention``."""
+    from mlx_lm_patches.demos.tiny_vlm_models import available
     from mlx_lm_patches.demos.tiny_vllm_mlx import attention_replacement_problem
     from mlx_lm_patches.engine.contract import NotNeeded
 
-    if not _installed("mlx_vlm.models.qwen3_5"):
+    if not available("qwen3_5"):
         return NotNeeded("mlx-vlm's qwen3_5 is not installed: vllm-mlx's replacement has nothing to replace")
     return attention_replacement_problem(sys.modules[MODULE])
-
-
-def _installed(name) -> bool:
-    import importlib.util
-
-    try:
-        return importlib.util.find_spec(name) is not None
-    except ModuleNotFoundError:
-        return False
 
 
 def scenario():
