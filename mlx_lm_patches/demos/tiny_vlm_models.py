@@ -22,6 +22,7 @@ The checks compare batched text generation with the model's single-sequence path
 Importing this module does not import mlx-vlm; :func:`available` says whether it is installed.
 """
 
+import functools
 import importlib.util
 from typing import Any, Dict, List, Optional
 
@@ -210,11 +211,12 @@ def vlm_rows_batched(model, rows, max_tokens: int = MAX_TOKENS):
 
 
 def vlm_batch_generate_fed(model, rows, max_tokens: int = MAX_TOKENS):
-    """``rows`` fed to mlx-vlm (>= 0.5)'s ``BatchGenerator`` as its ``batch_generate`` feeds them:
-    one left-padded batch and its attention mask, embeddings computed for the padded batch with
-    that mask and split per row; the padded batch is inserted with its mask where ``insert``
-    takes one (0.7), else as token rows (0.5 - 0.6), the generator told each row's padding
-    where it takes ``existing_left_padding`` (late 0.6.x)."""
+    """``rows`` fed to mlx-vlm (>= 0.6.15)'s ``BatchGenerator`` as its ``batch_generate`` feeds
+    them: one left-padded batch and its attention mask, embeddings computed for the padded batch
+    with that mask and split per row; the padded batch is inserted with its mask where
+    ``insert`` takes one (0.7), else as token rows, the generator told each row's padding
+    (``existing_left_padding``, 0.6.15 - 0.6.17). (0.5 - 0.6.14 insert the padded rows as
+    tokens: there :func:`batch_generate_texts_problem` drives ``batch_generate`` itself.)"""
     import inspect
 
     import mlx.core as mx
@@ -248,7 +250,9 @@ def paths():
     ``BatchGenerator`` driving the language model (with mlx-vlm's own cache classes that
     pairing is no longer one anybody runs)."""
     if takes_rows():
-        found = {"mlx-vlm": vlm_rows_batched, "batch_generate": vlm_batch_generate_fed}
+        found = {"mlx-vlm": vlm_rows_batched}
+        if batch_generate_padding() is not None:  # (inserted as tokens: batch_generate_texts_problem)
+            found["batch_generate"] = vlm_batch_generate_fed
     else:
         found = {"mlx-vlm": vlm_batched}
     if uses_mlx_lm_caches():
@@ -370,7 +374,7 @@ def batch_generate_padding() -> Optional[str]:
     ``BatchGenerator``: ``"stripped"`` (``insert`` takes the attention mask and strips the
     padding, 0.7), ``"told"`` (the generator is told each row's padding,
     ``existing_left_padding``, 0.6.15 - 0.6.17), or ``None`` (the padding is inserted as prompt
-    tokens, 0.5 - 0.6.14: a gap this package does not fix yet)."""
+    tokens, 0.5 - 0.6.14: ``mlx-vlm-padded-rows-stripped``)."""
     import inspect
 
     generator = _generation_module().BatchGenerator
@@ -392,9 +396,78 @@ def batch_generate_scenario(model_type: str, padding: str):
         if handed != padding:
             how = {"stripped": "strips them (insert takes the attention mask)",
                    "told": "tells its generator each row's padding (existing_left_padding)",
-                   None: "inserts them as prompt tokens (another bug, not fixed yet)"}[handed]
+                   None: "inserts them as prompt tokens (mlx-vlm-padded-rows-stripped)"}[handed]
             return Outcome.not_applicable(f"this mlx-vlm's batch_generate {how}, not the hand-over this fix is about")
     return scenario_outcome(model_type, only=("batch_generate",))
+
+
+TEXT_PROMPTS = ("Hi.", "Tell me a story about a cat and a dog, briefly please.",
+                "One two three four five six seven eight nine ten eleven twelve.")
+
+
+@functools.lru_cache(maxsize=1)
+def processor():
+    """mlx-vlm's processor of a tokenizer built locally (``load_processor`` on a folder holding
+    only :func:`mlx_lm_patches.demos.model_folder.build_tokenizer_files`, vocabulary 256: a
+    tokenizer with mlx-vlm's detokenizer and stopping criteria)."""
+    import pathlib
+    import tempfile
+
+    from mlx_vlm.utils import load_processor
+
+    from mlx_lm_patches.demos.model_folder import build_tokenizer_files
+
+    with tempfile.TemporaryDirectory() as folder:
+        build_tokenizer_files(folder, 256)
+        return load_processor(pathlib.Path(folder))
+
+
+def batch_generate_texts_problem(model, model_type, max_tokens: int = MAX_TOKENS) -> Optional[str]:
+    """``None`` if mlx-vlm's ``batch_generate`` of :data:`TEXT_PROMPTS` (different lengths)
+    answers each prompt with the text ``mlx_vlm.generate`` gives it alone (greedy; the same
+    chat template both ways)."""
+    from mlx_vlm.prompt_utils import apply_chat_template
+
+    generation = importlib.import_module("mlx_vlm.generate")
+    proc = processor()
+    model.language_model._position_ids = model.language_model._rope_deltas = None  # text only
+    batched = generation.batch_generate(model, proc, prompts=list(TEXT_PROMPTS), max_tokens=max_tokens).texts
+    for i, prompt in enumerate(TEXT_PROMPTS):
+        model.language_model._position_ids = model.language_model._rope_deltas = None
+        formatted = apply_chat_template(proc, model.config, prompt, num_images=0)
+        alone = generation.generate(model, proc, formatted, max_tokens=max_tokens, verbose=False).text
+        if batched[i] != alone:
+            return (f"mlx-vlm {model_type} batch_generate, prompt {i} of {len(TEXT_PROMPTS)}: answered "
+                    f"{batched[i]!r}, alone {alone!r}")
+    return None
+
+
+def batch_generate_texts_scenario(model_type: str, padding: Optional[str]):
+    """The scenario of a fix of ``batch_generate``'s padded rows handed over as ``padding`` (see
+    :func:`batch_generate_padding`; ``"inserted"`` for ``None``), through the user's call:
+    :func:`batch_generate_texts_problem`."""
+    from mlx_lm_patches.engine.contract import Outcome
+
+    if not available(model_type):
+        return Outcome.not_applicable(f"mlx-vlm with {model_type} is not installed")
+    why = unsupported_api(model_type)
+    if why:
+        return Outcome.not_applicable(why)
+    if not takes_rows():
+        return Outcome.not_applicable("this mlx-vlm's BatchGenerator takes one padded batch (mlx-vlm < 0.5)")
+    handed = batch_generate_padding() or "inserted"
+    if handed != padding:
+        return Outcome.not_applicable(f"this mlx-vlm's batch_generate hands its padded rows over {handed}, "
+                                      "not as this fix is about")
+    try:
+        model = build(model_type)
+        problem = batch_generate_texts_problem(model, model_type)
+    except Exception as exc:
+        return Outcome.failure(f"mlx-vlm {model_type} batch_generate", exc)
+    if problem:
+        return Outcome.failure(problem)
+    return Outcome(True, f"mlx-vlm {model_type}: batch_generate answers each prompt as it is answered alone",
+                   [f"{len(TEXT_PROMPTS)} text prompts of different lengths, {MAX_TOKENS} tokens each"])
 
 
 def scenario_outcome(model_type: str, only=None):

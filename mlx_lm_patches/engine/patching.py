@@ -28,6 +28,7 @@ shows them and revert undoes them:
   cleared on revert and its keys are listed in status.
 """
 
+import inspect
 import sys
 import weakref
 from dataclasses import dataclass, field
@@ -249,6 +250,9 @@ def _beneath(owner, attr, target):
     return _static_lookup(owner, attr, target)
 
 
+_MISSING = object()
+
+
 class TargetNotDeclared(ValueError):
     pass
 
@@ -270,13 +274,15 @@ class Patcher:
 
     def wrap_if_present(self, target: str, wrapper: Callable) -> None:
         """``wrap`` for a target that some releases do not have (``?`` in the matrix): when its
-        module is imported, wrapped if its owner has the attribute, else left alone."""
+        module is imported, wrapped if its owner has the attribute, else left alone. Present
+        means defined there (a module-level ``__getattr__`` forwarding the name elsewhere, as
+        mlx-vlm 0.6's ``mlx_vlm.generate`` does, does not make it a target there)."""
         def thunk():
             try:
                 owner, attr = owner_of(target)
             except (KeyError, AttributeError, TypeError):
                 return
-            if hasattr(owner, attr):
+            if inspect.getattr_static(owner, attr, _MISSING) is not _MISSING:
                 self._wrap_now(target, wrapper)
 
         self._run_or_defer(target, thunk)
