@@ -1,6 +1,6 @@
 """MTP self-speculative decoding vs greedy decoding, side by side in one run.
 
-    python benchmarks/mtp_speculation.py [--model-types qwen3_5 deepseek_v3 glm4_moe] [--tokens 64]
+    python benchmarks/mtp_speculation.py [--model-types qwen3_5 deepseek_v3 deepseek_v32 glm4_moe] [--tokens 64]
 
 A tiny float32 checkpoint with an MTP head is written and loaded (``mlx_lm.load``, patches on).
 A random head never agrees with a random model, so the acceptance rate is controlled: the draft
@@ -147,7 +147,7 @@ def cost_split(model, args):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model-types", nargs="+", default=["qwen3_5", "deepseek_v3", "glm4_moe"])
+    parser.add_argument("--model-types", nargs="+", default=["qwen3_5", "deepseek_v3", "deepseek_v32", "glm4_moe"])
     parser.add_argument("--shares", type=float, nargs="+", default=[0.0, 0.5, 0.8, 1.0])
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)

@@ -16,10 +16,10 @@ from mlx_lm_patches.demos.mtp_checkpoints import write_mtp_checkpoint
 
 mlx_lm_patches.apply()
 
-FAMILIES = [f for f in ("qwen3_next", "qwen3_5", "qwen3_5_moe", "nemotron_h", "deepseek_v3", "glm4_moe",
+FAMILIES = [f for f in ("qwen3_next", "qwen3_5", "qwen3_5_moe", "nemotron_h", "deepseek_v3", "deepseek_v32", "glm4_moe",
                         "glm4_moe_lite", "mimo")
             if importlib.util.find_spec(f"mlx_lm.models.{f}") is not None]
-EXTRA_LAYER = ("deepseek_v3", "glm4_moe", "glm4_moe_lite", "mimo")  # the head: one more decoder layer
+EXTRA_LAYER = ("deepseek_v3", "deepseek_v32", "glm4_moe", "glm4_moe_lite", "mimo")  # the head: one more decoder layer
 
 
 def _rms(x, weight, eps):

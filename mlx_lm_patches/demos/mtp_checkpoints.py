@@ -21,7 +21,7 @@ weights include an MTP head:
   ``dtype``: of the floating-point tensors written (default ``"bfloat16"``; ``"float32"`` for
   decoding on CPU, where mlx's MoE kernels need float32).
 
-``deepseek_v3``, ``glm4_moe`` and ``glm4_moe_lite`` (three layers) get the DeepSeek-V3 layout: in
+``deepseek_v3``, ``deepseek_v32``, ``glm4_moe`` and ``glm4_moe_lite`` (three layers) get the DeepSeek-V3 layout: in
 HF form the head is ``model.layers.3`` (``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm``,
 the decoder layer with one tensor per expert and multi-head latent attention's ``kv_b_proj``, and
 copies of the embedding and output head), the backbone's experts per expert and ``kv_b_proj``
@@ -152,7 +152,7 @@ def _to_hf(family, params, *, shift_suffixes=QWEN_NORM_SUFFIXES, shift_all_norms
     return out
 
 
-DEEPSEEK_LAYOUT = ("deepseek_v3", "glm4_moe", "glm4_moe_lite")  # the head is layer num_hidden_layers
+DEEPSEEK_LAYOUT = ("deepseek_v3", "deepseek_v32", "glm4_moe", "glm4_moe_lite")  # the head is layer num_hidden_layers
 
 
 def _deepseek_to_hf(params):

@@ -743,7 +743,8 @@ def _cfg_llama() -> Dict[str, Any]:
 
 # DeepSeek-V3-layout MoE models (attention only; their MTP heads are what they are built for):
 # three layers, not DeepSeek-V3's 61, the first dense, the others MoE; multi-head latent
-# attention for deepseek_v3 and glm4_moe_lite, grouped-query attention for glm4_moe.
+# attention for deepseek_v3, deepseek_v32 (with its indexer) and glm4_moe_lite, grouped-query
+# attention for glm4_moe.
 _DEEPSEEK_MOE = {
     "vocab_size": _VOCAB,
     "hidden_size": _HIDDEN,
@@ -780,6 +781,13 @@ _MLA = {
 
 def _cfg_deepseek_v3() -> Dict[str, Any]:
     return dict(_DEEPSEEK_MOE, **_MLA, model_type="deepseek_v3", rms_norm_eps=1e-6)
+
+
+def _cfg_deepseek_v32() -> Dict[str, Any]:
+    # DeepSeek-V3.2's sparse attention: a small indexer; index_topk as the release's default
+    # (every prompt here is shorter, so the attention sees every position, as V3.2's does then)
+    return dict(_DEEPSEEK_MOE, **_MLA, model_type="deepseek_v32", rms_norm_eps=1e-6,
+                index_n_heads=2, index_head_dim=16, index_topk=2048)
 
 
 def _cfg_glm4_moe_lite() -> Dict[str, Any]:
@@ -823,6 +831,7 @@ _CONFIGS: Dict[str, Callable[[], Dict[str, Any]]] = {
     "longcat_flash_ngram": _cfg_longcat_flash_ngram,
     "llama": _cfg_llama,
     "deepseek_v3": _cfg_deepseek_v3,
+    "deepseek_v32": _cfg_deepseek_v32,
     "glm4_moe": _cfg_glm4_moe,
     "glm4_moe_lite": _cfg_glm4_moe_lite,
     "mimo": _cfg_mimo,

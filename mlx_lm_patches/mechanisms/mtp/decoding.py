@@ -240,9 +240,14 @@ def hidden_states(model):
 
 
 def make_mtp_cache(model):
-    from mlx_lm.models.cache import KVCache
+    family = family_of(model)
+    return [family.layer_cache(model) for _ in family.attention_layers(_head(model))]
 
-    return [KVCache() for _ in family_of(model).attention_layers(_head(model))]
+
+def positions_cache(layer_cache):
+    """The KV cache that holds a head layer's positions: the layer's cache, or the first of a
+    ``CacheList`` (deepseek_v32 keeps its indexer's keys in the second)."""
+    return layer_cache[0] if hasattr(layer_cache, "caches") else layer_cache
 
 
 def model_label(model) -> str:
@@ -309,14 +314,14 @@ class MTPDraftCache:
 
     @property
     def state(self):
-        return [c.state for c in self.kv if c.keys is not None]
+        return [c.state for c in self.kv if positions_cache(c).keys is not None]
 
     @property
     def nbytes(self):
-        return sum(c.nbytes for c in self.kv if c.keys is not None and hasattr(c, "nbytes"))
+        return sum(c.nbytes for c in self.kv if positions_cache(c).keys is not None and hasattr(c, "nbytes"))
 
     def empty(self):
-        return all(c.keys is None for c in self.kv)
+        return all(positions_cache(c).keys is None for c in self.kv)
 
 
 class MTPDraft:
@@ -350,8 +355,8 @@ class MTPDraft:
             return placeholder
         if state.round_of != committed or state.recycled is None:  # the main model moved: a new round
             for kv in state.kv:
-                if kv.offset > state.synced:
-                    kv.trim(kv.offset - state.synced)
+                if positions_cache(kv).offset > state.synced:
+                    kv.trim(positions_cache(kv).offset - state.synced)
             span = self.capture.span(state.synced, committed, self.hidden)
             if span is None:  # hidden states not recorded (e.g. prefilled elsewhere)
                 self._reset(state, committed)
@@ -375,8 +380,8 @@ class MTPDraft:
 
     def _reset(self, state, committed):
         for kv in state.kv:
-            if kv.offset:
-                kv.trim(kv.offset)
+            if positions_cache(kv).offset:
+                kv.trim(positions_cache(kv).offset)
         state.synced = committed - 1
 
 

@@ -69,6 +69,12 @@ class _DecoderLayers:
     def attention_layers(self, head):
         return list(head.layers)
 
+    def layer_cache(self, model):
+        """A new cache for one attention layer of the head."""
+        from mlx_lm.models.cache import KVCache
+
+        return KVCache()
+
     def run_layers(self, head, z, mask, cache):
         for layer, layer_cache in zip(head.layers, cache):
             z = layer(z, mask=mask, cache=layer_cache)
@@ -296,10 +302,13 @@ class _ExtraLayerHead(_DecoderLayers):
 
 
 class DeepSeekV3(_ExtraLayerHead):
-    """DeepSeek-V3, GLM-4.5/4.6/4.7 (glm4_moe), GLM-4.7-Flash (glm4_moe_lite): the MTP layer at
-    index ``num_hidden_layers``, built from the family's own decoder layer."""
+    """DeepSeek-V3, DeepSeek-V3.2 (deepseek_v32), GLM-4.5/4.6/4.7 (glm4_moe), GLM-4.7-Flash
+    (glm4_moe_lite): the MTP layer at index ``num_hidden_layers``, built from the family's own
+    decoder layer. DeepSeek-V3.2 follows the DeepSeek-V3.2-Exp report (V3.1-Terminus's
+    architecture, MTP module included, with sparse attention): V3's head around its own decoder
+    layer, whose attention keeps a second cache for its indexer (``layer_cache``)."""
 
-    names = ("deepseek_v3", "glm4_moe", "glm4_moe_lite")
+    names = ("deepseek_v3", "deepseek_v32", "glm4_moe", "glm4_moe_lite")
     _FUSION = ("enorm.", "hnorm.", "eh_proj.", "shared_head.norm.")
     # the checkpoint's copies of what the head shares with the model (the report: shared)
     SHARED = ("embed_tokens.", "shared_head.head.")
@@ -353,15 +362,22 @@ class DeepSeekV3(_ExtraLayerHead):
     def fusion(self, head):
         return head.enorm, head.hnorm, head.eh_proj
 
+    def layer_cache(self, model):
+        """What the family's own model makes for a decoder layer (deepseek_v32: a ``CacheList``
+        of the attention's and its indexer's caches), else a ``KVCache``."""
+        own = getattr(model, "make_cache", None)
+        return own()[0] if own is not None else super().layer_cache(model)
+
     def attention_mask(self, z, cache):
         """An array mask where the release has them (multi-head latent attention adds its
         positional scores to the mask, so it needs one; an array is exact for the others)."""
         from mlx_lm.models.base import create_attention_mask
 
+        first = cache[0][0] if hasattr(cache[0], "caches") else cache[0]
         try:
-            return create_attention_mask(z, cache[0], return_array=True)
+            return create_attention_mask(z, first, return_array=True)
         except TypeError:  # releases before return_array: what the family's own model passes
-            return create_attention_mask(z, cache[0])
+            return create_attention_mask(z, first)
 
     def head_norm(self, head):
         return head.shared_head.norm
@@ -417,7 +433,6 @@ FAMILIES = {name: family for family in (Qwen(), NemotronH(), DeepSeekV3(), MiMo(
 
 # Why the heads of families mlx-lm drops MTP layers for are not kept (what ``mtp_status`` says).
 NOT_KEPT = {
-    "deepseek_v32": "its attention keeps a second (indexer) cache per layer, which the draft does not build yet",
     "kimi_linear": "no public description of its MTP layer's layout was found to follow",
 }
 NOT_READ = "the layout of its MTP layers has not been read yet"
