@@ -34,7 +34,7 @@ CASES = ([(f, how) for f in FAMILIES for how in ("fp", "q4", "mixed_3_6")]
          + [("qwen3_next", how) for how in ("q8g32", "mxfp4")]
          # DeepSeek-V3 layout (the head is the layer after the last) and MiMo: one case per family
          + [(f, how) for f, how in (("deepseek_v3", "q4"), ("deepseek_v32", "q4"), ("glm4_moe", "q4"),
-                                    ("glm4_moe_lite", "fp"), ("mimo", "q4"))
+                                    ("glm4_moe_lite", "fp"), ("mimo", "q4"), ("ernie4_5_moe", "q4"))
             if importlib.util.find_spec(f"mlx_lm.models.{f}") is not None])
 
 
@@ -166,6 +166,9 @@ SAME_KIND = {
                      ("model.layers.{i}.self_attn.indexer.wq_b", "layers.0.self_attn.indexer.wq_b"),
                      ("model.layers.{i}.self_attn.indexer.wk", "layers.0.self_attn.indexer.wk"),
                      ("model.layers.{i}.mlp.switch_mlp.gate_proj", "layers.0.mlp.switch_mlp.gate_proj")],
+    "ernie4_5_moe": [("model.layers.{i}.self_attn.q_proj", "layers.0.self_attn.q_proj"),
+                     ("model.layers.{i}.self_attn.o_proj", "layers.0.self_attn.o_proj"),
+                     ("model.layers.{i}.mlp.gate_proj", "layers.0.mlp.gate_proj")],
     "mimo": [("model.layers.{i}.self_attn.q_proj", "layers.0.self_attn.q_proj"),
              ("model.layers.{i}.self_attn.o_proj", "layers.0.self_attn.o_proj"),
              ("model.layers.{i}.mlp.gate_proj", "layers.0.mlp.gate_proj")],

@@ -17,7 +17,7 @@ from mlx_lm_patches.demos.mtp_checkpoints import write_mtp_checkpoint
 mlx_lm_patches.apply()
 
 FAMILIES = [f for f in ("qwen3_next", "qwen3_5", "qwen3_5_moe", "nemotron_h", "deepseek_v3", "deepseek_v32", "glm4_moe",
-                        "glm4_moe_lite", "mimo")
+                        "glm4_moe_lite", "mimo", "ernie4_5_moe")
             if importlib.util.find_spec(f"mlx_lm.models.{f}") is not None]
 EXTRA_LAYER = ("deepseek_v3", "deepseek_v32", "glm4_moe", "glm4_moe_lite", "mimo")  # the head: one more decoder layer
 
@@ -75,6 +75,18 @@ def _one_step_model(model, config, head, fused):
     return reference
 
 
+def _ernie_block(config, block):
+    """mlx-lm's own ERNIE decoder layer at index ``num_hidden_layers`` (dense) with ``block``'s
+    weights."""
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import ernie4_5_moe
+
+    args = ernie4_5_moe.ModelArgs.from_dict(config)
+    layer = ernie4_5_moe.Ernie4_5_DecoderLayer(args, args.num_hidden_layers)
+    layer.load_weights(list(tree_flatten(block.parameters())), strict=True)
+    return layer
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_mtp_forward_is_the_documented_head(tmp_path, family):
     import json
@@ -102,6 +114,10 @@ def test_mtp_forward_is_the_documented_head(tmp_path, family):
         head = model.mtp
         embedding_norm, hidden_norm, projection = head.token_layernorm, head.hidden_layernorm, head.input_proj
         embedded = model.model.embed_tokens(next_ids)
+    elif family == "ernie4_5_moe":  # mtp_linear_proj(concat[mtp_emb_norm(e), mtp_hidden_norm(h)])
+        head = model.mtp
+        embedding_norm, hidden_norm, projection = head.mtp_emb_norm, head.mtp_hidden_norm, head.mtp_linear_proj
+        embedded = model.model.embed_tokens(next_ids)
     elif family in EXTRA_LAYER:
         head = model.mtp
         embedding_norm, hidden_norm, projection = head.enorm, head.hnorm, head.eh_proj
@@ -113,7 +129,10 @@ def test_mtp_forward_is_the_documented_head(tmp_path, family):
         embedded = text.model.embed_tokens(next_ids)
     halves = [_rms(embedded, embedding_norm.weight, embedding_norm.eps), _rms(hidden, hidden_norm.weight, hidden_norm.eps)]
     fused = mx.concatenate(halves[::-1] if family == "mimo" else halves, axis=-1) @ projection.weight.T
-    reference = _one_step_model(model, config, model.mtp, fused)
-    expected = reference(mx.arange(fused.shape[1])[None])
+    if family == "ernie4_5_moe":  # then the dense block, and the output head with no norm between
+        expected = model.lm_head(_ernie_block(config, model.mtp.layers[0])(fused, "causal", None))
+    else:
+        reference = _one_step_model(model, config, model.mtp, fused)
+        expected = reference(mx.arange(fused.shape[1])[None])
     worst = mx.abs(logits - expected).max().item()
     assert worst < LOGPROB_TOLERANCE, worst

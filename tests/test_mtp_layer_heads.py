@@ -1,6 +1,8 @@
 """MTP heads that are one more decoder layer of the family: the DeepSeek-V3 layout (DeepSeek-V3,
-GLM-4.5/4.6/4.7 = glm4_moe, GLM-4.7-Flash = glm4_moe_lite: the checkpoint's layer
-``model.layers.{num_hidden_layers}``) and MiMo (``model.mtp_layers.0``). Tiny checkpoints
+DeepSeek-V3.2, GLM-4.5/4.6/4.7 = glm4_moe, GLM-4.7-Flash = glm4_moe_lite: the checkpoint's layer
+``model.layers.{num_hidden_layers}``), MiMo (``model.mtp_layers.0``) and ERNIE 4.5 MoE
+(``model.mtp_emb_norm.0``, ``model.mtp_hidden_norm.0``, ``model.mtp_linear_proj.0``,
+``model.mtp_block.0``). Tiny checkpoints
 written to disk in the Hugging Face layout (for the DeepSeek-V3 layout: experts per expert,
 multi-head latent attention's ``kv_b_proj`` unsplit, copies of the shared embedding and output
 head) and in mlx-lm's layout (``mtp.*``):
@@ -31,7 +33,8 @@ from mlx_lm_patches.demos.scenarios import greedy, prompt_tokens
 
 mlx_lm_patches.apply()
 
-FAMILIES = [f for f in DEEPSEEK_LAYOUT + ("mimo",) if importlib.util.find_spec(f"mlx_lm.models.{f}") is not None]
+FAMILIES = [f for f in DEEPSEEK_LAYOUT + ("mimo", "ernie4_5_moe")
+            if importlib.util.find_spec(f"mlx_lm.models.{f}") is not None]
 pytestmark = pytest.mark.skipif(not FAMILIES, reason="this mlx-lm has none of these families")
 
 
@@ -58,6 +61,8 @@ def test_the_head_is_kept_exactly(written, family, form):
     assert check_loaded(model, checkpoint) is None, check_loaded(model, checkpoint)
     if form == "hf" and family == "mimo":
         assert model.mtp_status.endswith("from the checkpoint's model.mtp_layers"), model.mtp_status
+    elif form == "hf" and family == "ernie4_5_moe":
+        assert model.mtp_status.endswith("from the checkpoint's model.mtp_* tensors"), model.mtp_status
     elif form == "hf":
         assert "from the checkpoint's layer model.layers.3; embedding and output head shared with the model " \
                "(the checkpoint's 2 copies of them not loaded)" in model.mtp_status, model.mtp_status
@@ -107,6 +112,8 @@ def _derivable(model):
     if model.model_type == "mimo":  # input_proj(concat[hidden_layernorm(h), token_layernorm(e)])
         projection, norms, hidden_first = head.input_proj, (head.token_layernorm, head.hidden_layernorm,
                                                             head.final_layernorm), True
+    elif model.model_type == "ernie4_5_moe":  # mtp_linear_proj(concat[mtp_emb_norm(e), mtp_hidden_norm(h)])
+        projection, norms, hidden_first = head.mtp_linear_proj, (head.mtp_emb_norm, head.mtp_hidden_norm), False
     else:  # eh_proj(concat[enorm(e), hnorm(h)]), then shared_head.norm
         projection, norms, hidden_first = head.eh_proj, (head.enorm, head.hnorm, head.shared_head.norm), False
     halves = [mx.eye(hidden), mx.zeros((hidden, hidden))]  # [hidden | embedding]

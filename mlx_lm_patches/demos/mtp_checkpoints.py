@@ -27,6 +27,10 @@ the decoder layer with one tensor per expert and multi-head latent attention's `
 copies of the embedding and output head), the backbone's experts per expert and ``kv_b_proj``
 unsplit as well.
 
+``ernie4_5_moe`` (three layers) in HF form stores its head as ``model.mtp_emb_norm.0``,
+``model.mtp_hidden_norm.0``, ``model.mtp_linear_proj.0`` and ``model.mtp_block.0.*`` (a dense
+decoder layer), the backbone's experts per expert.
+
 ``mimo`` (two layers) in HF form stores its head as ``model.mtp_layers.0.*`` (``token_layernorm``,
 ``hidden_layernorm``, ``input_proj``, ``final_layernorm`` beside the decoder layer's tensors).
 
@@ -240,6 +244,10 @@ def write_mtp_checkpoint(root, family, *, form="mlx", quantized=False, placement
         weights = backbone
         mtp = {f"model.mtp_layers.0.{k[len('layers.0.'):] if k.startswith('layers.0.') else k}": v
                for k, v in head_params.items()}
+    elif form == "hf" and family == "ernie4_5_moe":  # model.mtp_<part>.0, the block as mtp_block.0
+        weights = _deepseek_to_hf(backbone)  # (per-expert tensors, as ERNIE checkpoints store them)
+        mtp = {(f"model.mtp_block.0.{k[len('layers.0.'):]}" if k.startswith("layers.0.")
+                else "model.{}.0.{}".format(*k.split(".", 1))): v for k, v in head_params.items()}
     elif form == "hf" and family in DEEPSEEK_LAYOUT:  # the head is the layer after the last
         weights = _deepseek_to_hf(backbone)
         mtp = _deepseek_head_to_hf(head_params, backbone, config["num_hidden_layers"])

@@ -800,6 +800,17 @@ def _cfg_glm4_moe() -> Dict[str, Any]:
                 rms_norm_eps=1e-5, use_qk_norm=True, attention_bias=True, partial_rotary_factor=0.5)
 
 
+def _cfg_ernie4_5_moe() -> Dict[str, Any]:
+    # ERNIE 4.5 MoE: three layers, the first dense, the others MoE (4 experts, 2 per token, one
+    # shared); its MTP block is dense (the layer after the last, past moe_layer_end_index)
+    return {"model_type": "ernie4_5_moe", "vocab_size": _VOCAB, "hidden_size": _HIDDEN,
+            "intermediate_size": _FFN, "num_hidden_layers": 3, "num_attention_heads": _HEADS,
+            "num_key_value_heads": _KV_HEADS, "head_dim": _HEAD_DIM, "max_position_embeddings": _MAX_POS,
+            "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "use_bias": False, "tie_word_embeddings": False,
+            "moe_num_experts": 4, "moe_k": 2, "moe_layer_start_index": 1, "moe_intermediate_size": 32,
+            "moe_num_shared_experts": 1, "moe_layer_interval": 1}
+
+
 def _cfg_mimo() -> Dict[str, Any]:
     return dict(_cfg_llama(), model_type="mimo", num_nextn_predict_layers=1)
 
@@ -835,6 +846,7 @@ _CONFIGS: Dict[str, Callable[[], Dict[str, Any]]] = {
     "glm4_moe": _cfg_glm4_moe,
     "glm4_moe_lite": _cfg_glm4_moe_lite,
     "mimo": _cfg_mimo,
+    "ernie4_5_moe": _cfg_ernie4_5_moe,
 }
 
 

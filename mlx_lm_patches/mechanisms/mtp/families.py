@@ -18,7 +18,7 @@ layers (attention layers with their own KV cache), the head's final norm, the sh
   ``final_layernorm``. Norms are stored as used (no shift); experts per expert
   (``experts.{e}.up_proj`` / ``down_proj``) are stacked into ``switch_mlp.fc1`` / ``fc2`` as
   mlx-lm's own ``sanitize`` does for the backbone. Same layout in vLLM's ``nemotron_h_mtp.py``.
-* DeepSeek-V3 layout (deepseek_v3, glm4_moe, glm4_moe_lite): the head is the checkpoint's layer
+* DeepSeek-V3 layout (deepseek_v3, deepseek_v32, glm4_moe, glm4_moe_lite): the head is the checkpoint's layer
   ``model.layers.{num_hidden_layers}``: ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm``
   and a decoder layer of the family (``self_attn``, ``mlp``, the two layer norms). Its tensors
   are in the family's Hugging Face layout, so they go through the release's own ``sanitize``
@@ -32,6 +32,10 @@ layers (attention layers with their own KV cache), the head's final norm, the sh
 * MiMo (mimo): ``model.mtp_layers.{i}``: ``token_layernorm``, ``hidden_layernorm``, ``input_proj``
   (the normalized hidden state first), the family's decoder layer, ``final_layernorm``; shared
   embedding and output head (the MiMo report, arXiv:2505.07608; vLLM's ``mimo_mtp.py``).
+* ERNIE 4.5 MoE (ernie4_5_moe): ``model.mtp_emb_norm.{i}``, ``model.mtp_hidden_norm.{i}``,
+  ``model.mtp_linear_proj.{i}`` (the normalized embedding first) and ``model.mtp_block.{i}``, a
+  dense decoder layer whose output goes to the shared output head with no norm between (vLLM's
+  ``ernie_mtp.py``, SGLang's ERNIE 4.5 MTP model).
 """
 
 import re
@@ -63,17 +67,21 @@ def _stack_experts(out, experts, rename=None):
     return out
 
 
-class _DecoderLayers:
+class _Family:
+    """What every family descriptor has."""
+
+    def layer_cache(self, model):
+        """A new cache for one attention layer of the head (a ``KVCache``)."""
+        from mlx_lm.models.cache import KVCache
+
+        return KVCache()
+
+
+class _DecoderLayers(_Family):
     """Heads whose layers are all attention decoder layers, each with its own KV cache."""
 
     def attention_layers(self, head):
         return list(head.layers)
-
-    def layer_cache(self, model):
-        """A new cache for one attention layer of the head."""
-        from mlx_lm.models.cache import KVCache
-
-        return KVCache()
 
     def run_layers(self, head, z, mask, cache):
         for layer, layer_cache in zip(head.layers, cache):
@@ -167,7 +175,7 @@ class Qwen(_DecoderLayers):
         return self._text(model).args.vocab_size
 
 
-class NemotronH:
+class NemotronH(_Family):
     """Nemotron-H (Nemotron 3 Super's MTP head)."""
 
     names = ("nemotron_h",)
@@ -428,7 +436,65 @@ class MiMo(_ExtraLayerHead):
         return head.final_layernorm
 
 
-FAMILIES = {name: family for family in (Qwen(), NemotronH(), DeepSeekV3(), MiMo()) for name in family.names}
+class Ernie(_ExtraLayerHead):
+    """ERNIE 4.5 MoE (ernie4_5_moe): ``model.mtp_emb_norm.{i}``, ``model.mtp_hidden_norm.{i}``,
+    ``model.mtp_linear_proj.{i}`` (with a bias where the model's linear layers have one) and
+    ``model.mtp_block.{i}``, a dense decoder layer. Followed: vLLM's ``ernie_mtp.py`` and SGLang's
+    ERNIE 4.5 MTP model (embedding half first, the main model's final hidden state as input, the
+    block a decoder layer without MoE, no norm between the block and the shared output head)."""
+
+    names = ("ernie4_5_moe",)
+    _FUSION = ("mtp_emb_norm.", "mtp_hidden_norm.", "mtp_linear_proj.")
+
+    def split_checkpoint(self, model, weights, stock_sanitize):
+        """The ``model.mtp_*.{i}.`` tensors are the head's (plain tensors in mlx-lm's layout but
+        for per-expert ones; stock ``sanitize`` only drops them): the block's as decoder layer
+        ``i``, the fusion tensors beside it."""
+        renamed = {}
+        for key, value in weights.items():
+            match = re.match(r"^model\.(mtp_emb_norm|mtp_hidden_norm|mtp_linear_proj|mtp_block)\.(\d+)\.(.+)$", key)
+            if match:
+                part, index, rest = match.groups()
+                key = f"mtp_ernie.{index}.{rest}" if part == "mtp_block" else f"mtp_ernie.{index}.{part}.{rest}"
+            renamed[key] = value
+        return self._split(renamed, r"^mtp_ernie\.(\d+)\.(.+)$", self._FUSION)
+
+    def source(self, model):
+        return "the checkpoint's model.mtp_* tensors"
+
+    def build(self, model, config, weights, n_layers):
+        import mlx.nn as nn
+
+        self._one_layer(n_layers, "ERNIE")
+        args = model.args
+        hidden, eps = args.hidden_size, args.rms_norm_eps
+        head = nn.Module()
+        head.mtp_emb_norm = nn.RMSNorm(hidden, eps=eps)
+        head.mtp_hidden_norm = nn.RMSNorm(hidden, eps=eps)
+        head.mtp_linear_proj = nn.Linear(2 * hidden, hidden, bias=bool(getattr(args, "use_bias", False)))
+        # at index num_hidden_layers: past moe_layer_end_index, so dense (the references' block)
+        head.layers = [type(self._inner(model).layers[0])(args, args.num_hidden_layers)]
+        return head
+
+    def convert(self, tensors, mlx_layout=False):
+        out, experts = {}, {}
+        for key, value in tensors.items():
+            if not _set_aside_expert(key, value, experts):
+                out[key] = value
+        return _stack_experts(out, experts)
+
+    def fusion(self, head):
+        return head.mtp_emb_norm, head.mtp_hidden_norm, head.mtp_linear_proj
+
+    def head_norm(self, head):
+        return _identity
+
+
+def _identity(x):
+    return x
+
+
+FAMILIES = {name: family for family in (Qwen(), NemotronH(), DeepSeekV3(), MiMo(), Ernie()) for name in family.names}
 
 
 # Why the heads of families mlx-lm drops MTP layers for are not kept (what ``mtp_status`` says).
