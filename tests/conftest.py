@@ -151,14 +151,15 @@ def pytest_addoption(parser):
 
 @pytest.fixture(autouse=True)
 def _family_sweep(request):
-    """A test marked ``family_sweep(families)`` and parametrized by ``model_type`` runs a family
-    in full only where its model source changed since an earlier row of the matrix with the
-    same mlx, or where it represents its cache layout (tests/support/sweeps.py)."""
+    """A test marked ``family_sweep(families)`` and parametrized by ``model_type`` (or ``family``)
+    runs a family in full only where its model source changed since an earlier row of the
+    matrix with the same mlx, or where it represents its cache layout (tests/support/sweeps.py)."""
     marker = request.node.get_closest_marker("family_sweep")
     callspec = getattr(request.node, "callspec", None)
     if marker is None or callspec is None:
         return
-    family, families = callspec.params.get("model_type"), tuple(marker.args[0])
+    family = callspec.params.get("model_type", callspec.params.get("family"))
+    families = tuple(marker.args[0])
     if family in families:
         from support import sweeps
 

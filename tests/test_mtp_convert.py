@@ -20,7 +20,7 @@ import sys
 import pytest
 
 import mlx_lm_patches
-from mlx_lm_patches.demos.mtp_checkpoints import check_loaded, write_mtp_checkpoint
+from mlx_lm_patches.demos.mtp_checkpoints import MTP_MODEL_TYPES, check_loaded, write_mtp_checkpoint
 from mlx_lm_patches.demos.scenarios import greedy, prompt_tokens, speculative_greedy
 from support.references import greedy_of
 
@@ -119,6 +119,7 @@ def _safetensors_keys(folder, pattern):
 
 
 @pytest.mark.parametrize("family,how", CASES)
+@pytest.mark.family_sweep(MTP_MODEL_TYPES)
 def test_head_in_a_sidecar_stock_does_not_read(converted, family, how):
     _, folder = converted(family, how)
     shards = _safetensors_keys(folder, "model*.safetensors")
@@ -131,6 +132,7 @@ def test_head_in_a_sidecar_stock_does_not_read(converted, family, how):
 
 
 @pytest.mark.parametrize("family,how", CASES)
+@pytest.mark.family_sweep(MTP_MODEL_TYPES)
 @skips_stock_moe_bug
 def test_converted_head_loads_and_mtp_speculation_equals_greedy(converted, loaded, family, how):
     written, _ = converted(family, how)
@@ -199,6 +201,7 @@ def _last_attention_index(model, family):
 
 
 @pytest.mark.parametrize("family,how", [c for c in CASES if c[1] != "fp"])
+@pytest.mark.family_sweep(MTP_MODEL_TYPES)
 def test_head_quantized_as_the_backbone_layers_of_its_kind(converted, loaded, family, how):
     """The written tensors: every head layer of a kind the backbone has is stored with the bits
     and group size of that backbone layer (as the config's quantization entries say)."""

@@ -12,7 +12,7 @@ import pytest
 
 import mlx_lm_patches
 from mlx_lm_patches.demos.scenarios import LOGPROB_TOLERANCE, Decoded, prompt_tokens, speculative_greedy
-from mlx_lm_patches.demos.mtp_checkpoints import write_mtp_checkpoint
+from mlx_lm_patches.demos.mtp_checkpoints import MTP_MODEL_TYPES, write_mtp_checkpoint
 from support.references import greedy_of
 
 mlx_lm_patches.apply()
@@ -34,6 +34,7 @@ def loaded(tmp_path_factory):
 @pytest.mark.parametrize("hidden,fusion", [("post", "embedding-first"), ("pre", "embedding-first"),
                                            ("post", "hidden-first")])
 @pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.family_sweep(MTP_MODEL_TYPES)
 def test_mtp_speculation_equals_greedy(loaded, family, hidden, fusion):
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -51,6 +52,7 @@ def test_mtp_speculation_equals_greedy(loaded, family, hidden, fusion):
 
 @pytest.mark.parametrize("hidden", ["post", "pre"])
 @pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.family_sweep(MTP_MODEL_TYPES)
 def test_mtp_speculation_with_accepted_proposals_equals_greedy(loaded, family, hidden):
     """A random head's proposals are all rejected; with the true token hinted for two targets
     in three (the head still runs, see ``tests/support/mtp_drafts.py``) rounds accept some, all or
@@ -75,6 +77,7 @@ def test_mtp_speculation_with_accepted_proposals_equals_greedy(loaded, family, h
 
 @pytest.mark.parametrize("hinted", [False, True], ids=["own-proposals", "with-accepted-rounds"])
 @pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.family_sweep(MTP_MODEL_TYPES)
 def test_draft_proposals_are_the_heads_predictions_at_the_committed_position(loaded, family, hinted):
     """Each round's first draft logits are the MTP head's over the true sequence at slot C-1
     (main hidden h_{C-1}, token x_C, the head's cache holding every earlier slot), C being what

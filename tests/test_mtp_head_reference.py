@@ -12,7 +12,7 @@ import pytest
 
 import mlx_lm_patches
 from mlx_lm_patches.demos.scenarios import LOGPROB_TOLERANCE, prompt_tokens
-from mlx_lm_patches.demos.mtp_checkpoints import write_mtp_checkpoint
+from mlx_lm_patches.demos.mtp_checkpoints import MTP_MODEL_TYPES, write_mtp_checkpoint
 
 mlx_lm_patches.apply()
 
@@ -88,6 +88,7 @@ def _ernie_block(config, block):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.family_sweep(MTP_MODEL_TYPES)
 def test_mtp_forward_is_the_documented_head(tmp_path, family):
     import json
 

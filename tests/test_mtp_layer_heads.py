@@ -28,7 +28,7 @@ import pytest
 
 import mlx_lm_patches
 from conftest import run_python, xfail_if_affected
-from mlx_lm_patches.demos.mtp_checkpoints import DEEPSEEK_LAYOUT, check_loaded, write_mtp_checkpoint
+from mlx_lm_patches.demos.mtp_checkpoints import DEEPSEEK_LAYOUT, MTP_MODEL_TYPES, check_loaded, write_mtp_checkpoint
 from mlx_lm_patches.demos.scenarios import greedy, prompt_tokens
 
 mlx_lm_patches.apply()
@@ -53,6 +53,7 @@ def written(tmp_path_factory):
 
 @pytest.mark.parametrize("form", ["hf", "mlx"])
 @pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.family_sweep(MTP_MODEL_TYPES)
 def test_the_head_is_kept_exactly(written, family, form):
     from mlx_lm import load
 
@@ -127,6 +128,7 @@ def _derivable(model):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.family_sweep(MTP_MODEL_TYPES)
 def test_a_derivable_head_proposes_the_main_models_prediction(written, family):
     import mlx.core as mx
     from mlx_lm import load

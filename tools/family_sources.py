@@ -24,15 +24,23 @@ from support.sweeps import RECORD, source_digest  # noqa: E402
 WHEELS = Path.home() / ".cache" / "mlx-lm-patches" / "wheels"
 
 
-def hybrid_model_types():
-    """HYBRID_MODEL_TYPES from demos/tiny_models.py, read without importing mlx."""
+def _constant(module: str, name: str):
+    """A tuple constant of ``mlx_lm_patches/demos/<module>.py``, read without importing mlx."""
     import ast
 
-    tree = ast.parse((REPO / "mlx_lm_patches" / "demos" / "tiny_models.py").read_text())
+    tree = ast.parse((REPO / "mlx_lm_patches" / "demos" / f"{module}.py").read_text())
     for node in tree.body:
-        if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", "") == "HYBRID_MODEL_TYPES":
-            return ast.literal_eval(node.value)
-    raise SystemExit("HYBRID_MODEL_TYPES not found in demos/tiny_models.py")
+        targets = [node.target] if isinstance(node, ast.AnnAssign) else getattr(node, "targets", [])
+        if any(getattr(t, "id", "") == name for t in targets):
+            return tuple(ast.literal_eval(node.value))
+    raise SystemExit(f"{name} not found in demos/{module}.py")
+
+
+def swept_model_types():
+    """The families the sweeps cover: HYBRID_MODEL_TYPES (tiny_models.py), then the MTP families
+    (MTP_MODEL_TYPES, mtp_checkpoints.py)."""
+    hybrid = _constant("tiny_models", "HYBRID_MODEL_TYPES")
+    return hybrid + tuple(f for f in _constant("mtp_checkpoints", "MTP_MODEL_TYPES") if f not in hybrid)
 
 
 def wheel(version: str) -> Path:
@@ -49,7 +57,7 @@ def main() -> int:
     data = yaml.safe_load((REPO / "compat_matrix.yaml").read_text())
     releases = sorted({str(row["mlx_lm"]) for row in data["tested_versions"]},
                       key=lambda v: tuple(int(p) for p in v.split(".")))
-    families = hybrid_model_types()
+    families = swept_model_types()
     record = {}
     for version in releases:
         with zipfile.ZipFile(wheel(version)) as whl:

@@ -157,6 +157,10 @@ def _to_hf(family, params, *, shift_suffixes=QWEN_NORM_SUFFIXES, shift_all_norms
 
 
 DEEPSEEK_LAYOUT = ("deepseek_v3", "deepseek_v32", "glm4_moe", "glm4_moe_lite")  # the head is layer num_hidden_layers
+# Every family whose tiny checkpoints get an MTP head here (the order: representatives of a cache
+# layout first, see tests/support/sweeps.py)
+MTP_MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "nemotron_h", "deepseek_v3", "deepseek_v32",
+                   "glm4_moe", "glm4_moe_lite", "mimo", "ernie4_5_moe")
 
 
 def _deepseek_to_hf(params):
