@@ -221,3 +221,27 @@ def test_batch_generate_fix_applies_in_a_process_that_never_imports_mlx_lm():
     imported_mlx_lm, state, ok, summary = ran.json()
     assert state == "applied", (imported_mlx_lm, state)
     assert ok, summary
+
+
+def test_strip_padding_cuts_each_row_and_its_tensors_and_refuses_a_broken_mask():
+    """``mlx-vlm-padded-rows-stripped``'s cut: a left-padded row loses its padding columns in its
+    tokens, its embeddings and its M-RoPE positions, and gets the rope_deltas of its own positions;
+    an unpadded row and the caller's dictionaries are left as they are; a mask row that is not one
+    contiguous span is refused, naming the row."""
+    import mlx.core as mx
+
+    from mlx_lm_patches.mechanisms.vlm_padding import PaddingNotContiguous, strip_padding
+
+    mask = mx.array([[0, 0, 1, 1], [1, 1, 1, 1]])
+    positions = mx.broadcast_to(mx.array([[1, 1, 0, 1], [0, 1, 2, 3]])[None], (3, 2, 4))  # cumsum - 1, padding 1
+    kwargs = [{"inputs_embeds": mx.arange(8 * row, 8 * row + 8).reshape(1, 4, 2),
+               "position_ids": positions[:, row:row + 1], "rope_deltas": mx.array([[-2], [0]])[row:row + 1],
+               "pixel_values": None} for row in range(2)]
+    rows, cut = strip_padding([[0, 0, 5, 6], [7, 8, 9, 10]], mask, kwargs)
+    assert rows == [[5, 6], [7, 8, 9, 10]]
+    assert cut[0]["inputs_embeds"].tolist() == [[[4, 5], [6, 7]]]
+    assert cut[0]["position_ids"].shape == (3, 1, 2) and cut[0]["position_ids"][0].tolist() == [[0, 1]]
+    assert cut[0]["rope_deltas"].tolist() == [[0]] and cut[0]["pixel_values"] is None
+    assert cut[1] is kwargs[1] and kwargs[0]["inputs_embeds"].shape == (1, 4, 2)
+    with pytest.raises(PaddingNotContiguous, match="attention_mask row 1 is not one contiguous span"):
+        strip_padding([[0, 5, 6], [7, 0, 9]], mx.array([[0, 1, 1], [1, 0, 1]]), None)

@@ -20,7 +20,8 @@ import sys
 import pytest
 
 import mlx_lm_patches
-from mlx_lm_patches.demos.mtp_checkpoints import MTP_MODEL_TYPES, check_loaded, write_mtp_checkpoint
+from mlx_lm_patches.demos.mtp_checkpoints import (MTP_MODEL_TYPES, check_loaded, hf_layout_unreadable,
+                                                  write_mtp_checkpoint)
 from mlx_lm_patches.demos.scenarios import greedy, prompt_tokens, speculative_greedy
 from support.references import greedy_of
 
@@ -89,6 +90,9 @@ def converted(tmp_path_factory):
     sources, folders = {}, {}
 
     def get(family, how):
+        unreadable = hf_layout_unreadable(family)
+        if unreadable:
+            pytest.skip(unreadable)
         if family not in sources:
             sources[family] = write_mtp_checkpoint(root, family, form="hf", dtype="float32")
         if (family, how) not in folders:
@@ -268,7 +272,7 @@ print(json.dumps(out))
 
 
 def test_stock_mlx_lm_loads_the_converted_folders_and_generates_the_same(converted, loaded):
-    cases = [c for c in CASES if c[1] != "mixed_3_6"]
+    cases = [c for c in CASES if c[1] != "mixed_3_6" and not hf_layout_unreadable(c[0])]
     folders = [str(converted(*case)[1]) for case in cases]
     env = dict(os.environ, MLX_LM_PATCHES="0")
     run = subprocess.run([sys.executable, "-c", STOCK, json.dumps(PROMPT), *folders], env=env,

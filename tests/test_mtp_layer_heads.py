@@ -28,7 +28,8 @@ import pytest
 
 import mlx_lm_patches
 from conftest import run_python, xfail_if_affected
-from mlx_lm_patches.demos.mtp_checkpoints import DEEPSEEK_LAYOUT, MTP_MODEL_TYPES, check_loaded, write_mtp_checkpoint
+from mlx_lm_patches.demos.mtp_checkpoints import (DEEPSEEK_LAYOUT, MTP_MODEL_TYPES, check_loaded,
+                                                  hf_layout_unreadable, write_mtp_checkpoint)
 from mlx_lm_patches.demos.scenarios import greedy, prompt_tokens
 
 mlx_lm_patches.apply()
@@ -44,6 +45,9 @@ def written(tmp_path_factory):
     cache = {}
 
     def get(family, form):
+        unreadable = hf_layout_unreadable(family) if form == "hf" else None
+        if unreadable:
+            pytest.skip(unreadable)
         if (family, form) not in cache:
             cache[family, form] = write_mtp_checkpoint(root, family, form=form, dtype="float32")
         return cache[family, form]
@@ -87,7 +91,7 @@ print(json.dumps(out))
 
 @pytest.fixture(scope="module")
 def stock_loads(written):
-    folders = {family: str(written(family, "hf").folder) for family in FAMILIES}
+    folders = {family: str(written(family, "hf").folder) for family in FAMILIES if not hf_layout_unreadable(family)}
     ran = run_python(STOCK, *folders.values(), env={"MLX_LM_PATCHES": "0"})
     assert ran.returncode == 0, ran.stderr[-3000:]
     outcome = json.loads(ran.stdout.strip().splitlines()[-1])
@@ -99,6 +103,8 @@ def stock_loads(written):
 def test_stock_mlx_lm_keeps_the_head(stock_loads, family):
     """deepseek_v3: "Received ... parameters not in model" (its sanitize removes layer 61, not the
     layer after this checkpoint's last); glm4_moe, glm4_moe_lite, mimo: the head is dropped."""
+    if family not in stock_loads:
+        pytest.skip(hf_layout_unreadable(family))
     assert stock_loads[family] == "loaded, head kept", stock_loads[family]
 
 

@@ -43,6 +43,7 @@ form stores experts per expert (``experts.{e}.up_proj``) and norms unshifted.
 """
 
 import copy
+import functools
 import pathlib
 from dataclasses import dataclass, field
 
@@ -184,6 +185,28 @@ def _deepseek_to_hf(params):
         elif not key.endswith(".self_attn.unembed_out.weight"):
             out[key] = value
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def hf_layout_unreadable(family):
+    """Why the installed mlx-lm's own ``sanitize`` cannot read ``family``'s backbone in the Hugging
+    Face layout written here (a bug of that release, not patched), or None. Probed on the tiny
+    model: a DeepSeek-V3-layout backbone's unsplit ``kv_b_proj`` must not survive ``sanitize``
+    where the model has no such parameter (mlx-lm 0.30.6's deepseek_v32 looks for it under
+    ``model.layers.{l}`` instead of ``model.layers.{l}.self_attn``)."""
+    from mlx.utils import tree_flatten
+
+    from mlx_lm_patches.demos.tiny_models import build_tiny_model
+
+    if family not in DEEPSEEK_LAYOUT:
+        return None
+    model = build_tiny_model(family, seed=0)
+    params = dict(tree_flatten(model.parameters()))
+    left = sorted(k for k in model.sanitize(_deepseek_to_hf(params)) if k not in params)
+    if left:
+        return (f"this mlx-lm's {family} sanitize leaves {left[0]} of a Hugging Face checkpoint unconverted "
+                "(stock mlx-lm cannot load one; a release bug, not patched)")
+    return None
 
 
 def _deepseek_head_to_hf(head_params, backbone, depth):
