@@ -58,6 +58,15 @@ class HeadUnsupported(ValueError):
     """The checkpoint's head cannot be built with this mlx-lm; the message says why."""
 
 
+def _with_stacked_experts(tensors, rename=None):
+    """``tensors`` with per-expert tensors stacked as mlx-lm's own ``sanitize`` stacks them."""
+    out, experts = {}, {}
+    for key, value in tensors.items():
+        if not _set_aside_expert(key, value, experts):
+            out[key] = value
+    return _stack_experts(out, experts, rename=rename)
+
+
 def _stack_experts(out, experts, rename=None):
     import mlx.core as mx
 
@@ -227,11 +236,7 @@ class NemotronH(_Family):
         return head
 
     def convert(self, tensors, mlx_layout=False):
-        out, experts = {}, {}
-        for key, value in tensors.items():
-            if not _set_aside_expert(key, value, experts):
-                out[key] = value
-        return _stack_experts(out, experts, rename={"up_proj": "fc1", "down_proj": "fc2"})
+        return _with_stacked_experts(tensors, rename={"up_proj": "fc1", "down_proj": "fc2"})
 
     def fusion(self, head):
         first = head.layers[0]
@@ -294,6 +299,20 @@ class _ExtraLayerHead(_DecoderLayers):
         if n_layers != 1:
             raise HeadUnsupported(f"{n_layers} MTP layers; {what} heads are kept with one")
 
+    def _fusion_head(self, model, n_layers, what, names, bias=False):
+        """A head module holding the fusion: ``names`` = (embedding norm, hidden norm,
+        projection of the two halves), sized from ``model.args``; one MTP layer only."""
+        import mlx.nn as nn
+
+        self._one_layer(n_layers, what)
+        hidden, eps = model.args.hidden_size, model.args.rms_norm_eps
+        head = nn.Module()
+        embedding_norm, hidden_norm, projection = names
+        setattr(head, embedding_norm, nn.RMSNorm(hidden, eps=eps))
+        setattr(head, hidden_norm, nn.RMSNorm(hidden, eps=eps))
+        setattr(head, projection, nn.Linear(2 * hidden, hidden, bias=bias))
+        return head
+
     def embed(self, model, ids):
         return self._inner(model).embed_tokens(ids)
 
@@ -348,16 +367,11 @@ class DeepSeekV3(_ExtraLayerHead):
     def build(self, model, config, weights, n_layers):
         import mlx.nn as nn
 
-        self._one_layer(n_layers, "DeepSeek-V3-layout")
         args = model.args
-        hidden, eps = args.hidden_size, args.rms_norm_eps
+        head = self._fusion_head(model, n_layers, "DeepSeek-V3-layout", ("enorm", "hnorm", "eh_proj"))
         layer_class = type(self._inner(model).layers[0])
-        head = nn.Module()
-        head.enorm = nn.RMSNorm(hidden, eps=eps)
-        head.hnorm = nn.RMSNorm(hidden, eps=eps)
-        head.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
         head.shared_head = nn.Module()
-        head.shared_head.norm = nn.RMSNorm(hidden, eps=eps)
+        head.shared_head.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         # its index decides dense or MoE as for the backbone (past first_k_dense_replace: MoE)
         head.layers = [layer_class(args, args.num_hidden_layers)]
         return head
@@ -415,15 +429,10 @@ class MiMo(_ExtraLayerHead):
     def build(self, model, config, weights, n_layers):
         import mlx.nn as nn
 
-        self._one_layer(n_layers, "MiMo")
         args = model.args
-        hidden, eps = args.hidden_size, args.rms_norm_eps
-        head = nn.Module()
-        head.token_layernorm = nn.RMSNorm(hidden, eps=eps)
-        head.hidden_layernorm = nn.RMSNorm(hidden, eps=eps)
-        head.input_proj = nn.Linear(2 * hidden, hidden, bias=False)
+        head = self._fusion_head(model, n_layers, "MiMo", ("token_layernorm", "hidden_layernorm", "input_proj"))
         head.layers = [type(self._inner(model).layers[0])(args)]
-        head.final_layernorm = nn.RMSNorm(hidden, eps=eps)
+        head.final_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         return head
 
     def convert(self, tensors, mlx_layout=False):
@@ -463,25 +472,15 @@ class Ernie(_ExtraLayerHead):
         return "the checkpoint's model.mtp_* tensors"
 
     def build(self, model, config, weights, n_layers):
-        import mlx.nn as nn
-
-        self._one_layer(n_layers, "ERNIE")
         args = model.args
-        hidden, eps = args.hidden_size, args.rms_norm_eps
-        head = nn.Module()
-        head.mtp_emb_norm = nn.RMSNorm(hidden, eps=eps)
-        head.mtp_hidden_norm = nn.RMSNorm(hidden, eps=eps)
-        head.mtp_linear_proj = nn.Linear(2 * hidden, hidden, bias=bool(getattr(args, "use_bias", False)))
+        head = self._fusion_head(model, n_layers, "ERNIE", ("mtp_emb_norm", "mtp_hidden_norm", "mtp_linear_proj"),
+                                 bias=bool(getattr(args, "use_bias", False)))
         # at index num_hidden_layers: past moe_layer_end_index, so dense (the references' block)
         head.layers = [type(self._inner(model).layers[0])(args, args.num_hidden_layers)]
         return head
 
     def convert(self, tensors, mlx_layout=False):
-        out, experts = {}, {}
-        for key, value in tensors.items():
-            if not _set_aside_expert(key, value, experts):
-                out[key] = value
-        return _stack_experts(out, experts)
+        return _with_stacked_experts(tensors)
 
     def fusion(self, head):
         return head.mtp_emb_norm, head.mtp_hidden_norm, head.mtp_linear_proj
