@@ -461,6 +461,12 @@ def batch_generate_texts_scenario(model_type: str, padding: Optional[str]):
                                       "not as this fix is about")
     try:
         model = build(model_type)
+        if handed == "inserted":  # the rows then take the generator's own path: it must be exact
+            own = batched_problem(model, model_type, vlm_rows_batched)
+            if own:
+                return Outcome.not_applicable(
+                    f"this mlx-vlm's BatchGenerator itself decodes rows of different lengths wrong ({own}): "
+                    "another bug, not fixed (README, Not fixed yet)")
         problem = batch_generate_texts_problem(model, model_type)
     except Exception as exc:
         return Outcome.failure(f"mlx-vlm {model_type} batch_generate", exc)
