@@ -264,6 +264,10 @@ def test_draft_model_mtp_without_a_head_is_refused_on_every_rank(tmp_path_factor
                 outcome = _ask(server.client(timeout=HANG_TIMEOUT), CONCURRENT[0])
             except (openai.APIStatusError, openai.APIConnectionError) as error:
                 outcome = error
+            # the client can hear of the failure before a rank has written its traceback
+            waited = time.monotonic() + EXIT_TIMEOUT
+            while refusal not in server.log() and server.group_alive() and time.monotonic() < waited:
+                time.sleep(0.2)
             log = server.log()
     except ServerExited as exited:  # the ranks had ended before /health answered
         outcome, log = exited, exited.log
