@@ -42,6 +42,14 @@ LIB = {
         class Box:
             def get(self):
                 return "original"
+
+        def _elsewhere():
+            return "original"
+
+        def __getattr__(name):  # forwards a name it does not define (as mlx-vlm 0.6's generate does)
+            if name == "forwarded":
+                return _elsewhere
+            raise AttributeError(name)
     """,
 }
 
@@ -156,6 +164,7 @@ PATCHES = {
             p.wrap("{lib}.extra:thing", lambda wrapped, instance, args, kwargs: "patched")
             p.wrap_if_present("{lib}.extra:Box.get", lambda wrapped, instance, args, kwargs: "patched")
             p.wrap_if_present("{lib}.extra:Gone.get", lambda wrapped, instance, args, kwargs: "patched")
+            p.wrap_if_present("{lib}.extra:forwarded", lambda wrapped, instance, args, kwargs: "patched")
     """,
 }
 
@@ -176,7 +185,7 @@ patches:
   - {{id: gone-target, summary: s, affected: ">=1.0", fixed_in: null, upstream: [], targets: ["{lib}.core:Removed.__call__"], probe: p}}
   - {{id: alternative-targets, summary: s, affected: ">=1.0", fixed_in: null, upstream: [], targets: ["{lib}.core:Later.method?", "{lib}.core:Cache.trim?"], probe: p}}
   - {{id: not-needed-reason, summary: s, affected: ">=1.0", fixed_in: null, upstream: [], targets: ["{lib}.core:Cache"], probe: p}}
-  - {{id: deferred, summary: s, affected: ">=1.0", fixed_in: null, upstream: [], targets: ["{lib}.core:Cache", "{lib}.extra:thing", "{lib}.extra:Box.get?", "{lib}.extra:Gone.get?"], probe: p}}
+  - {{id: deferred, summary: s, affected: ">=1.0", fixed_in: null, upstream: [], targets: ["{lib}.core:Cache", "{lib}.extra:thing", "{lib}.extra:Box.get?", "{lib}.extra:Gone.get?", "{lib}.extra:forwarded?"], probe: p}}
 """
 
 OK_IDS = ["trim-fix", "greet-fix", "added-attr"]
@@ -334,6 +343,7 @@ def test_deferred_targets_apply_when_their_module_is_imported(fake):
     assert extra.thing() == "patched"
     assert extra.Box().get() == "patched"  # an optional target that is there is wrapped
     assert not hasattr(extra, "Gone")  # one that is not is left alone, without an error
+    assert extra.forwarded() == "original" and "forwarded" not in vars(extra)  # forwarded: not there
     assert fake.state("deferred") is State.APPLIED
     assert "waiting" not in fake.engine.row("deferred").detail
     fake.engine.revert(["deferred"])
