@@ -239,7 +239,7 @@ def session(row, prefetch: Prefetch, rows, index, pytest_args) -> dict:
             if row["packages"] and not row["python_only"] and not pytest_args:
                 selection += PACKAGE_ROW_TESTS + [f for name, _ in row["packages"] for f in PACKAGE_TESTS.get(name, [])]
             tested = True
-            rc = _step(out, [str(venv / "bin" / "pytest"), "-q", "-p", "no:cacheprovider", "-rfE", *selection, *pytest_args],
+            rc = _step(out, [str(venv / "bin" / "pytest"), "-q", "-p", "no:cacheprovider", "-rfE", "--durations=40", *selection, *pytest_args],
                        test_env, cwd=str(REPO))
     ours = counts(log.read_text())
     upstream = (0, 0)
