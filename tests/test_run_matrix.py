@@ -84,3 +84,45 @@ def test_a_session_copies_the_shared_kernels_and_merges_back_only_new_files(run_
     assert not (tmp_path / "caches" / "0.30.4" / "pytest-of-someone").exists()
     fresh = run_matrix.session_tmp(dict(name="row", mlx="0.30.4"))  # a rerun starts clean
     assert sorted(p.name for p in (fresh / "mlx" / "0.30.4").iterdir()) == sorted([long_name, "new.so", "old.so"])
+
+
+def test_upstream_tests_run_in_their_own_rootdir(tmp_path):
+    """tools/upstream_tests.py runs an sdist's tests under their own (empty) pytest configuration,
+    even inside a project that has one (CI's TMPDIR lies inside the clone): the enclosing
+    project's options do not apply, and the ids it reads back name the tests it ran, so the
+    stock rerun runs only those."""
+    import io
+    import sys
+    import tarfile
+
+    path = TOOL.parent / "upstream_tests.py"
+    spec = importlib.util.spec_from_file_location("upstream_tests", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+
+    project = tmp_path / "project"  # an enclosing project whose options would deselect everything
+    project.mkdir()
+    (project / "pyproject.toml").write_text('[tool.pytest.ini_options]\nxfail_strict = true\n')
+    archive = tmp_path / "pkg-1.0.tar.gz"
+    source = (b"import unittest\nimport pytest\n\nclass TestThings(unittest.TestCase):\n"
+              b"    def test_passes(self):\n        pass\n    def test_fails(self):\n        self.fail('no')\n\n"
+              b"@pytest.mark.xfail(reason='known')\ndef test_known_to_fail_but_passes():\n    pass\n")
+    with tarfile.open(archive, "w:gz") as tar:
+        for name, data in (("pkg-1.0/tests/test_things.py", source), ("pkg-1.0/setup.py", b"")):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    run = project / "run"
+    run.mkdir()
+    tests = tool.extract_tests(archive, run)
+    assert sorted(p.name for p in tests.iterdir()) == ["test_things.py"]
+    assert not (run / "setup.py").exists()
+
+    passed, outcomes, _, _ = tool.run_pytest(sys.executable, ["tests/test_things.py"], run, patched=True,
+                                             report=run / "report.xml")
+    # without its own rootdir: classnames carry the path from the project, and xfail_strict fails the xpass
+    assert outcomes == {"tests.test_things.TestThings::test_passes": "passed",
+                        "tests.test_things.TestThings::test_fails": "failed",
+                        "tests.test_things::test_known_to_fail_but_passes": "passed"}, outcomes
+    failing = [t for t, o in outcomes.items() if o != "passed"]
+    assert tool._node_ids(failing, ["tests/test_things.py"]) == ["tests/test_things.py::TestThings::test_fails"]

@@ -157,7 +157,12 @@ def _from_pypi(version: str, cache: pathlib.Path) -> pathlib.Path:
 
 
 def extract_tests(archive: pathlib.Path, into: pathlib.Path) -> pathlib.Path:
-    """Copy the sdist's ``tests/`` to ``into/tests`` (nothing else); return it."""
+    """Copy the sdist's ``tests/`` to ``into/tests`` (nothing else), beside an empty
+    ``into/pytest.ini``; return it. The empty configuration makes ``into`` pytest's rootdir:
+    pytest looks upward from the tests for one, and would otherwise take an enclosing project's
+    (this repository's, where CI's TMPDIR lies inside the clone) - other options, and test ids
+    that no longer name the files they ran in (the stock rerun then ran whole files)."""
+    (into / "pytest.ini").write_text("[pytest]\n")
     target = into / "tests"
     with tarfile.open(archive) as tar:
         members = [m for m in tar.getmembers()
