@@ -5,14 +5,15 @@
   version), warnings (mlx-lm not a release, or newer than the newest tested release) and one row
   per patch, read from the live objects after importing ``mlx_lm`` the way a user would. Exit 1
   if a patch failed.
-* ``check [IDS...]`` – the main job: demonstrate every applicable fix live (see ``check.py``).
-  Exit 1 if a fix does not hold.
+* ``check [--json] [IDS...]`` – the main job: demonstrate every applicable fix live (see
+  ``check.py``). Exit 1 if a fix does not hold.
 * ``run -m MODULE [ARGS...]`` / ``run SCRIPT [ARGS...]`` – apply explicitly, then run a module
   or script in this process (for ``python -S``, frozen apps, or no ``.pth``).
 * ``table`` – the README table of patches, generated from compat_matrix.yaml.
 """
 
 import argparse
+import contextlib
 import json
 import runpy
 import sys
@@ -94,8 +95,14 @@ def _check(args) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from mlx_lm_patches.engine import check
 
-    results = check.run_check(args.ids or None)
-    print(check.format_report(results))
+    # what the scenarios' mlx-lm calls print (e.g. convert's "[INFO] Quantizing") goes to
+    # stderr: stdout carries the report alone
+    with contextlib.redirect_stdout(sys.stderr):
+        results = check.run_check(args.ids or None)
+    if args.json:
+        print(json.dumps(check.report_dict(results), indent=2))
+    else:
+        print(check.format_report(results))
     before, again = check.restored
     return 0 if all(r.holds for r in results) and len(again) == len(before) else 1
 
@@ -148,6 +155,7 @@ def main(argv=None) -> int:
     p.set_defaults(func=_status)
     p = sub.add_parser("check", help="demonstrate every applicable fix on tiny models")
     p.add_argument("ids", nargs="*", help="patch ids (default: all)")
+    p.add_argument("--json", action="store_true", help="the report as JSON")
     p.set_defaults(func=_check)
     p = sub.add_parser("table", help="print the README table of patches")
     p.set_defaults(func=_table)

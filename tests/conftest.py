@@ -58,6 +58,22 @@ def run_python(code="", *args, env=None, timeout=300, python=None, cwd=None):
 
 
 @pytest.fixture(scope="session")
+def check_report():
+    """``python -m mlx_lm_patches check --json`` (the main job) in a fresh interpreter, once per
+    session: each patch judged alone, its scenario run on stock mlx-lm and with the patch. The
+    matrix cells (tests/test_matrix_cells.py) and the CLI test (tests/test_cli.py) read it, so
+    every scenario runs twice per row, not four times. Adds ``returncode`` and ``stderr``."""
+    ran = run_python(None, "-m", "mlx_lm_patches", "check", "--json", timeout=1200)
+    try:
+        report = json.loads(ran.stdout)
+    except ValueError:
+        raise AssertionError(f"check --json printed no JSON (exit {ran.returncode}):\n"
+                             f"{ran.stdout[-2000:]}\n{ran.stderr[-3000:]}") from None
+    report.update(returncode=ran.returncode, stderr=ran.stderr)
+    return report
+
+
+@pytest.fixture(scope="session")
 def the_matrix():
     from mlx_lm_patches.engine import matrix
 

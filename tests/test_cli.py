@@ -60,23 +60,42 @@ def test_status_exits_non_zero_when_a_patch_failed():
     assert "failed" in ran.stdout and "injected" in ran.stdout
 
 
-@pytest.mark.release_only
-def test_check_demonstrates_every_fix(the_matrix):
+def test_check_demonstrates_every_fix(the_matrix, check_report):
     """Each patch judged alone: stock = everything reverted, patched = the patch plus what it
     ``needs``; skipped patches on stock mlx-lm; a scenario that cannot drive the installed API
     says "not applicable"; afterwards every patch applied before is applied again."""
-    ran = run_python(None, "-m", "mlx_lm_patches", "check", timeout=600)
-    assert ran.returncode == 0, ran.stdout + ran.stderr
-    for pid in the_matrix.ids():
-        line = next(l for l in ran.stdout.splitlines() if l.startswith("[") and f"] {pid} (" in l)
-        assert line.startswith("[ok  ]"), line
-        if "not applicable here" in line:
+    assert check_report["returncode"] == 0, check_report["stderr"][-3000:]
+    judged = {row["id"]: row for row in check_report["results"]}
+    assert list(judged) == list(the_matrix.ids())
+    for pid, row in judged.items():
+        assert row["holds"], row
+        if row["verdict"].startswith("not applicable here"):
             continue
         if affected(pid):
-            assert "fixed: stock mlx-lm fails, patched mlx-lm is exact" in line
+            assert row["verdict"] == "fixed: stock mlx-lm fails, patched mlx-lm is exact", row
+            assert row["stock"]["ok"] is False and row["patched"]["ok"] is True, row
         else:
-            assert "not needed: stock mlx-lm is correct" in line
-    assert re.search(r"^(\d+)/\1 fixes hold$", ran.stdout, re.M), ran.stdout
+            assert row["verdict"] == "not needed: stock mlx-lm is correct", row
+            assert row["stock"]["ok"] is True and row["patched"] is None, row
+    assert check_report["held"] == check_report["total"] == len(judged)
+    assert check_report["applied_again"] == check_report["applied_before"]
+
+
+@pytest.mark.release_only
+def test_check_text_report(the_matrix):
+    """What a user reads: one line per patch judged, its scenario runs under it, the totals;
+    nothing but the report on stdout."""
+    pid = "mamba-cache-compat"
+    ran = run_python(None, "-m", "mlx_lm_patches", "check", pid, timeout=600)
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    lines = ran.stdout.splitlines()
+    assert lines[0].startswith("mlx-lm-patches check on mlx-lm "), lines[0]
+    verdict = next(l for l in lines if l.startswith("["))
+    assert re.match(rf"^\[ok  \] {pid} \((applied|skipped:version|skipped:probe), \d+\.\ds\): ", verdict), verdict
+    want = "fixed: stock mlx-lm fails, patched mlx-lm is exact" if affected(pid) else "not needed: stock mlx-lm is correct"
+    assert verdict.endswith(want), verdict
+    assert any(l.startswith("       stock mlx-lm") for l in lines), ran.stdout
+    assert "1/1 fixes hold" in lines
     assert re.search(r"^applied again after check: (\d+)/\1$", ran.stdout, re.M), ran.stdout
 
 

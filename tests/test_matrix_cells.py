@@ -1,15 +1,20 @@
 """The matrix is tested, not claimed: per patch, on the installed mlx-lm release,
 
-* with patches off (fresh interpreter, MLX_LM_PATCHES=0) the patch's scenario fails where
-  compat_matrix.yaml says the release is affected - a strict xfail, so an upstream fix XPASSes
-  and forces the range to be narrowed - and passes where it says unaffected;
-* with patches on, the engine's state agrees with the matrix and the scenario is exact.
+* on stock mlx-lm the patch's scenario fails where compat_matrix.yaml says the release is
+  affected - a strict xfail, so an upstream fix XPASSes and forces the range to be narrowed -
+  and passes where it says unaffected;
+* with the patch on, the scenario is exact, and the engine's state agrees with the matrix.
+
+The scenarios run once each way, in ``check`` (the ``check_report`` fixture: one fresh
+interpreter, every patch judged alone - stock is every patch reverted but what the patch
+``needs``, patched is the patch and what it needs); the engine's state is read here, with every
+patch applied as a user gets them.
 """
 
 import pytest
 
 import mlx_lm_patches
-from conftest import affected, run_python, xfail_if_affected
+from conftest import affected, xfail_if_affected
 from mlx_lm_patches.engine import matrix
 
 IDS = matrix.load().ids()
@@ -21,50 +26,46 @@ def patched():
 
 
 @pytest.fixture(scope="module")
-def stock_outcomes():
-    """Every patch's scenario run on stock mlx-lm (MLX_LM_PATCHES=0), in one fresh interpreter:
-    ``{id: (ok, summary)}``. A scenario that raises is reported as a failure of that scenario."""
-    import json
+def judged(check_report):
+    """``{id: check's result}``."""
+    return {row["id"]: row for row in check_report["results"]}
 
-    ran = run_python(f"""
-        import importlib, json
-        from mlx_lm_patches.engine import matrix
-        out = {{}}
-        for pid in {IDS!r}:
-            try:
-                outcome = importlib.import_module(matrix.load().get(pid).module_name).scenario()
-                out[pid] = (outcome.ok, outcome.summary)
-            except Exception as exc:
-                out[pid] = (False, f"scenario raised {{type(exc).__name__}}: {{exc}}")
-        print(json.dumps(out))
-    """, env={"MLX_LM_PATCHES": "0"}, timeout=1800)
-    assert ran.returncode == 0, ran.stderr[-2000:]
-    return json.loads(ran.stdout.strip().splitlines()[-1])
+
+def _outcome(judged, pid, which):
+    """A scenario run of ``check`` (``stock`` or ``patched``); skips where the scenario cannot
+    drive the installed packages, fails where check did not run it."""
+    row = judged[pid]
+    outcome = row[which]
+    if outcome is None and which == "patched" and row["stock"] and row["stock"]["ok"] is None:
+        outcome = row["stock"]  # not applicable on stock: check ends there
+    assert outcome is not None, f"{pid}: check ran no {which} scenario ({row['state']}: {row['verdict']})"
+    if outcome["ok"] is None:
+        pytest.skip(f"not applicable on this mlx-lm: {outcome['summary'].strip()}")
+    return outcome
 
 
 @pytest.mark.subprocess
 @pytest.mark.parametrize("pid", [pytest.param(i, marks=xfail_if_affected(i)) for i in IDS])
-def test_stock_mlx_lm_passes_the_scenario_unless_affected(pid, stock_outcomes):
-    ok, summary = stock_outcomes[pid]
-    if ok is None:
-        pytest.skip(f"not applicable on this mlx-lm: {summary.strip()}")
-    assert ok is True, f"stock mlx-lm fails {pid}: {summary.strip()}"
+def test_stock_mlx_lm_passes_the_scenario_unless_affected(pid, judged):
+    outcome = _outcome(judged, pid, "stock")
+    assert outcome["ok"] is True, f"stock mlx-lm fails {pid}: {outcome['summary'].strip()}"
 
 
 @pytest.mark.parametrize("pid", IDS)
-def test_engine_state_agrees_with_the_matrix(pid, patched):
+def test_engine_state_agrees_with_the_matrix(pid, patched, judged):
     row = patched[pid]
     if affected(pid):
         assert row.state == "applied", f"{pid}: {row.state} ({row.detail})"
     else:
         assert row.state == "skipped:version", f"{pid}: {row.state} ({row.detail})"
+    assert judged[pid]["state"] == row.state, f"{pid}: check judged it {judged[pid]['state']}"
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("pid", IDS)
-def test_patched_scenario_is_exact(pid, patched):
-    import importlib
-
-    outcome = importlib.import_module(matrix.load().get(pid).module_name).scenario()
-    if outcome.ok is None:
-        pytest.skip(f"not applicable on this mlx-lm: {outcome.summary}")
-    assert outcome.ok, outcome.summary
+def test_patched_scenario_is_exact(pid, judged):
+    """The scenario with the patch on where it applies; where it does not (the release is not
+    affected), stock mlx-lm is what a user gets for it, and must be exact."""
+    which = "patched" if judged[pid]["state"] == "applied" else "stock"
+    outcome = _outcome(judged, pid, which)
+    assert outcome["ok"] is True, f"{pid} ({which}): {outcome['summary'].strip()}"

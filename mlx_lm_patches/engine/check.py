@@ -133,6 +133,32 @@ def _word(outcome: Outcome) -> str:
     return {True: "ok", False: "fails", None: "n/a"}[outcome.ok]
 
 
+def _outcome_dict(outcome: Optional[Outcome]):
+    if outcome is None:
+        return None
+    return {"ok": outcome.ok, "summary": outcome.summary, "details": list(outcome.details)}
+
+
+def report_dict(results: List[CheckResult]) -> dict:
+    """The report as data (``check --json``): per patch its state, whether the fix holds, the
+    verdict, and each scenario run (``stock``: everything reverted but what the patch needs,
+    ``patched``: the patch and what it needs; ``null`` where not run), ``ok`` being true, false
+    or null (not applicable here)."""
+    eng = engine.get()
+    before, again = restored
+    return {
+        "mlx_lm": eng.mlx_lm.describe(),
+        "mlx": eng.mlx.describe(),
+        "results": [{"id": r.id, "state": r.state, "holds": r.holds, "verdict": r.verdict,
+                     "seconds": round(r.seconds, 3), "stock": _outcome_dict(r.without),
+                     "patched": _outcome_dict(r.with_patch)} for r in results],
+        "held": sum(r.holds for r in results),
+        "total": len(results),
+        "applied_before": list(before),
+        "applied_again": list(again),
+    }
+
+
 def format_report(results: List[CheckResult]) -> str:
     eng = engine.get()
     lines = [
