@@ -7,6 +7,7 @@ non-editable into one venv per tested mlx-lm release), so the real ``.pth`` is e
 import functools
 import json
 import os
+import pathlib
 import subprocess
 import sys
 import textwrap
@@ -55,6 +56,55 @@ def run_python(code="", *args, env=None, timeout=300, python=None, cwd=None):
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
                           env=clean_env(**(env or {})), cwd=cwd or "/")
     return Ran(proc.returncode, proc.stdout, proc.stderr)
+
+
+FORKED = """
+import json, os, sys, traceback
+# What every child would import first anyway, loaded once here: mlx-lm's tokenizer_utils imports
+# it, and it is most of a fresh interpreter's start (its import-structure scan). Not mlx_lm: the
+# children must start before anything activates the package.
+from transformers import AutoTokenizer  # noqa: F401
+assert not [m for m in sys.modules if m.partition(".")[0] in ("mlx_lm", "mlx_lm_patches", "mlx")], (
+    "the preload imported mlx, mlx-lm or the package: the children would not start fresh")
+results = {}
+for name, code in json.loads(sys.argv[1]).items():
+    out, err = os.path.join(sys.argv[2], name + ".out"), os.path.join(sys.argv[2], name + ".err")
+    sys.stdout.flush(); sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        os.dup2(os.open(out, os.O_WRONLY | os.O_CREAT), 1)
+        os.dup2(os.open(err, os.O_WRONLY | os.O_CREAT), 2)
+        status = 0
+        try:
+            exec(compile(code, "<" + name + ">", "exec"), {"__name__": "__main__"})
+        except SystemExit as exc:
+            status = exc.code if isinstance(exc.code, int) else 1
+        except BaseException:
+            traceback.print_exc()
+            status = 1
+        sys.stdout.flush(); sys.stderr.flush()
+        os._exit(status)
+    _, status = os.waitpid(pid, 0)
+    results[name] = os.waitstatus_to_exitcode(status)
+print(json.dumps(results))
+"""
+
+
+def run_forked(programs, env=None, timeout=600):
+    """Run each of ``programs`` (``{name: code}``) as if in a fresh interpreter of this venv,
+    one after another, for CI time: one interpreter (with ``env``, as :func:`run_python`) loads
+    ``transformers`` - about 0.7 s of every start here, which each program would pay again - and
+    forks a child per program, before anything imported mlx, mlx-lm or this package (the .pth
+    has armed activation as at any start: each child activates, or not, on its own first import
+    of mlx_lm). ``{name: Ran}``."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="forked-") as folder:
+        ran = run_python(FORKED, json.dumps(programs), folder, env=env, timeout=timeout)
+        assert ran.returncode == 0, ran.stderr[-3000:]
+        codes = json.loads(ran.stdout.strip().splitlines()[-1])
+        read = lambda name, ext: pathlib.Path(folder, f"{name}.{ext}").read_text(errors="replace")  # noqa: E731
+        return {name: Ran(codes[name], read(name, "out"), read(name, "err")) for name in programs}
 
 
 @pytest.fixture(scope="session")

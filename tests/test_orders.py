@@ -1,4 +1,5 @@
-"""Every order of import / apply / revert / re-apply, each in a fresh interpreter, on the real
+"""Every order of import / apply / revert / re-apply, each in a fresh interpreter (forked from one
+that loaded transformers only, for CI time: ``conftest.run_forked``), on the real
 mlx-lm: no double wrapping, revert restores the original objects (identity), re-apply works,
 and the patched behaviour is there exactly when a patch is applied."""
 
@@ -6,7 +7,7 @@ import json
 
 import pytest
 
-from conftest import REPO, run_python
+from conftest import REPO, run_forked, run_python
 
 pytestmark = [pytest.mark.subprocess, pytest.mark.release_only]
 
@@ -54,18 +55,31 @@ print("ok")
 """
 
 
-@pytest.mark.parametrize("order", ORDERS, ids=["-".join(o) for o in ORDERS])
-@pytest.mark.parametrize("auto", ["auto-on", "auto-off"])
-def test_order(order, auto):
+def _program(order, auto):
     code = PROGRAM.format(steps=order, commands=STEPS)
-    env = {"PYTHONPATH": str(REPO / "tests")}
-    if auto == "auto-off":
-        env["MLX_LM_PATCHES"] = "0"
-    else:
+    if auto == "auto-on":
         # with automatic activation the import in the prologue already applied: start by reverting
         code = code.replace("original = child.snapshot()",
                             "mlx_lm_patches.revert()\noriginal = child.snapshot()")
-    ran = run_python(code, env=env)
+    return code
+
+
+@pytest.fixture(scope="module")
+def orders_run(request):
+    """Every order of one activation mode, each in a fresh interpreter (forked from one that
+    loaded transformers only: ``conftest.run_forked``). ``(mode, {order name: Ran})``."""
+    env = {"PYTHONPATH": str(REPO / "tests")}
+    if request.param == "auto-off":
+        env["MLX_LM_PATCHES"] = "0"
+    programs = {"-".join(order): _program(order, request.param) for order in ORDERS}
+    return request.param, run_forked(programs, env=env)
+
+
+@pytest.mark.parametrize("order", ORDERS, ids=["-".join(o) for o in ORDERS])
+@pytest.mark.parametrize("orders_run", ["auto-on", "auto-off"], indirect=True)
+def test_order(order, orders_run):
+    _, ran = orders_run
+    ran = ran["-".join(order)]
     assert ran.returncode == 0, ran.stderr[-3000:]
     assert ran.stdout.strip() == "ok"
 
