@@ -131,6 +131,17 @@ def _mtp_folder(tmp_path_factory, model_type):
                                 dtype="float32", name="model").folder
 
 
+def _logged(server, pattern, count, timeout=EXIT_TIMEOUT):
+    """``pattern``'s matches in the server's log once there are ``count`` of them (or after
+    ``timeout`` seconds, or once every process has ended): ``mlx.launch`` forwards each rank's
+    output a little after the rank wrote it, so a line can come after the answer it belongs to."""
+    deadline = time.monotonic() + timeout
+    while (len(found := pattern.findall(server.log())) < count and server.group_alive()
+           and time.monotonic() < deadline):
+        time.sleep(0.1)
+    return found
+
+
 def _ask_concurrently(client):
     """The ``CONCURRENT`` requests at once (the server batches them): their answers, in order."""
     with concurrent.futures.ThreadPoolExecutor(len(CONCURRENT)) as pool:
@@ -168,7 +179,7 @@ def served(request, tmp_path_factory, hook):
         _ask(client, FIRST)
         logged = len(REUSED.findall(server.log()))
         diverging = _ask(client, DIVERGING)
-        decisions = REUSED.findall(server.log())[logged:]
+        decisions = _logged(server, REUSED, logged + RANKS)[logged:]
         failure = _fail(server, FAILURES[request.param])
         yield dict(folder=folder, concurrent=concurrent_answers, diverging=diverging,
                    decisions=decisions, failure=failure)
@@ -231,6 +242,7 @@ def mtp_served(request, tmp_path_factory):
         concurrent_answers = _ask_concurrently(client)
         _ask(client, FIRST)
         diverging = _ask(client, DIVERGING)
+        _logged(server, DRAFTING, RANKS)
         yield dict(folder=folder, concurrent=concurrent_answers, diverging=diverging, log=server.log())
 
 

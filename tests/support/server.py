@@ -91,9 +91,11 @@ class Server:
     """A running ``mlx_lm.server`` subprocess."""
 
     def __init__(self, process: subprocess.Popen, port: int, log_path: pathlib.Path,
-                 host: str = HOST, group: bool = False):
+                 host: str = HOST, group: bool = False, ranks: int = 1):
         self.process = process
         self.group = group  # the process leads a process group of its own (``mlx.launch``)
+        self.ranks = ranks
+        self.calmed = False  # the launcher's own threads run at the lowest priority
         self.host = host
         self.port = port
         self.log_path = log_path
@@ -146,6 +148,8 @@ class Server:
         ``/health`` answers 503 (the generation thread died, 0.32+) or ``timeout`` passes."""
         deadline = time.monotonic() + timeout
         while True:
+            if self.ranks > 1 and not self.calmed:
+                self.calmed = _calm_launcher(self.process.pid, self.ranks)
             if not self.alive():
                 raise ServerExited(f"mlx_lm.server exited with code {self.process.returncode} "
                                    "before it was ready", self.process.returncode, self.log())
@@ -210,6 +214,30 @@ class Server:
         return self.process.returncode
 
 
+def _calm_launcher(pid: int, ranks: int) -> bool:
+    """Once ``mlx.launch`` (``pid``) has started its ``ranks`` processes, lower the priority of
+    its own threads to the lowest (nice 19); the ranks, already running, keep theirs. Its
+    output-forwarding loops never block (they ``select`` on the ranks' always-writable stdin
+    pipes, and on our stdin): it takes more than a core for as long as it runs, taken from the
+    ranks and from whatever else runs on the machine (in CI: another matrix row). Whether the
+    ranks had started (so that it is done)."""
+    children = 0
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                stat = pathlib.Path(entry.path, "stat").read_text()
+            except OSError:
+                continue
+            children += int(stat.rpartition(")")[2].split()[1]) == pid
+    if children < ranks:
+        return False
+    with contextlib.suppress(OSError):
+        for task in os.scandir(f"/proc/{pid}/task"):  # niceness is per thread on Linux
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, int(task.name), 19)
+    return True
+
+
 @contextlib.contextmanager
 def serve(model, *args: str, env: Optional[Mapping[str, str]] = None,
           python: Optional[str] = None, port: Optional[int] = None,
@@ -249,7 +277,7 @@ def serve(model, *args: str, env: Optional[Mapping[str, str]] = None,
             process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_file,
                                        stderr=subprocess.STDOUT, env=env, cwd=cwd,
                                        start_new_session=ranks > 1)
-        server = Server(process, port, log_path, group=ranks > 1)
+        server = Server(process, port, log_path, group=ranks > 1, ranks=ranks)
         try:
             server.wait_ready(ready_timeout)
             yield server
