@@ -35,7 +35,8 @@ CASES = ([(f, how) for f in FAMILIES for how in ("fp", "q4", "mixed_3_6")]
          + [("qwen3_next", how) for how in ("q8g32", "mxfp4")]
          # DeepSeek-V3 layout (the head is the layer after the last) and MiMo: one case per family
          + [(f, how) for f, how in (("deepseek_v3", "q4"), ("deepseek_v32", "q4"), ("glm4_moe", "q4"),
-                                    ("glm4_moe_lite", "fp"), ("mimo", "q4"), ("ernie4_5_moe", "q4"))
+                                    ("glm4_moe_lite", "fp"), ("mimo", "q4"), ("ernie4_5_moe", "q4"),
+                                    ("exaone_moe", "q4"))
             if importlib.util.find_spec(f"mlx_lm.models.{f}") is not None])
 
 
@@ -175,6 +176,9 @@ SAME_KIND = {
     "ernie4_5_moe": [("model.layers.{i}.self_attn.q_proj", "layers.0.self_attn.q_proj"),
                      ("model.layers.{i}.self_attn.o_proj", "layers.0.self_attn.o_proj"),
                      ("model.layers.{i}.mlp.gate_proj", "layers.0.mlp.gate_proj")],
+    "exaone_moe": [("model.layers.{i}.self_attn.q_proj", "layers.0.self_attn.q_proj"),
+                   ("model.layers.{i}.self_attn.o_proj", "layers.0.self_attn.o_proj"),
+                   ("model.layers.{i}.mlp.gate_proj", "layers.0.mlp.gate_proj")],
     "mimo": [("model.layers.{i}.self_attn.q_proj", "layers.0.self_attn.q_proj"),
              ("model.layers.{i}.self_attn.o_proj", "layers.0.self_attn.o_proj"),
              ("model.layers.{i}.mlp.gate_proj", "layers.0.mlp.gate_proj")],

@@ -17,7 +17,7 @@ from mlx_lm_patches.demos.mtp_checkpoints import MTP_MODEL_TYPES, write_mtp_chec
 mlx_lm_patches.apply()
 
 FAMILIES = [f for f in ("qwen3_next", "qwen3_5", "qwen3_5_moe", "nemotron_h", "deepseek_v3", "deepseek_v32", "glm4_moe",
-                        "glm4_moe_lite", "mimo", "ernie4_5_moe")
+                        "glm4_moe_lite", "mimo", "ernie4_5_moe", "exaone_moe")
             if importlib.util.find_spec(f"mlx_lm.models.{f}") is not None]
 EXTRA_LAYER = ("deepseek_v3", "deepseek_v32", "glm4_moe", "glm4_moe_lite", "mimo")  # the head: one more decoder layer
 
@@ -49,6 +49,18 @@ def _one_step_model(model, config, head, fused):
                   for k, v in tree_flatten(layer.parameters())
                   if k.startswith(("norm.", "mixer."))}
         final_norm = head.layers[-1].final_layernorm.weight
+        main_head = model.lm_head
+    elif model.model_type == "exaone_moe":
+        # the head's (dense, full-attention) layer first; a second, sliding layer that adds
+        # nothing (zero output projections) keeps "a layer slides", so RoPE is as in the backbone
+        config.update(num_hidden_layers=2, layer_types=["full_attention", "sliding_attention"],
+                      is_moe_layer=[False, False])
+        prefix, embed, norm, lm_head = "model.", "model.embed_tokens.weight", "model.norm.weight", "lm_head"
+        layer = dict(tree_flatten(head.layers[0].parameters()))
+        blocks = {f"layers.0.{k}": v for k, v in layer.items()}
+        blocks.update({f"layers.1.{k}": (mx.zeros_like(v) if k.endswith(("o_proj.weight", "down_proj.weight")) else v)
+                       for k, v in layer.items()})
+        final_norm = head.norm.weight
         main_head = model.lm_head
     elif model.model_type in EXTRA_LAYER:
         config["num_hidden_layers"], config["first_k_dense_replace"] = 1, 0  # the head's (MoE) layer
@@ -122,6 +134,10 @@ def test_mtp_forward_is_the_documented_head(tmp_path, family):
     elif family in EXTRA_LAYER:
         head = model.mtp
         embedding_norm, hidden_norm, projection = head.enorm, head.hnorm, head.eh_proj
+        embedded = model.model.embed_tokens(next_ids)
+    elif family == "exaone_moe":  # fc(concat[pre_fc_norm_embedding(e), pre_fc_norm_hidden(h)])
+        head = model.mtp
+        embedding_norm, hidden_norm, projection = head.pre_fc_norm_embedding, head.pre_fc_norm_hidden, head.fc
         embedded = model.model.embed_tokens(next_ids)
     else:
         head = model.mtp

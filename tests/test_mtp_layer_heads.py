@@ -34,7 +34,7 @@ from mlx_lm_patches.demos.scenarios import greedy, prompt_tokens
 
 mlx_lm_patches.apply()
 
-FAMILIES = [f for f in DEEPSEEK_LAYOUT + ("mimo", "ernie4_5_moe")
+FAMILIES = [f for f in DEEPSEEK_LAYOUT + ("mimo", "ernie4_5_moe", "exaone_moe")
             if importlib.util.find_spec(f"mlx_lm.models.{f}") is not None]
 pytestmark = pytest.mark.skipif(not FAMILIES, reason="this mlx-lm has none of these families")
 
@@ -68,7 +68,7 @@ def test_the_head_is_kept_exactly(written, family, form):
         assert model.mtp_status.endswith("from the checkpoint's model.mtp_layers"), model.mtp_status
     elif form == "hf" and family == "ernie4_5_moe":
         assert model.mtp_status.endswith("from the checkpoint's model.mtp_* tensors"), model.mtp_status
-    elif form == "hf":
+    elif form == "hf" and family != "exaone_moe":  # (exaone_moe's head: mtp.* keys, both forms)
         assert "from the checkpoint's layer model.layers.3; embedding and output head shared with the model " \
                "(the checkpoint's 2 copies of them not loaded)" in model.mtp_status, model.mtp_status
     else:
@@ -121,6 +121,9 @@ def _derivable(model):
                                                             head.final_layernorm), True
     elif model.model_type == "ernie4_5_moe":  # mtp_linear_proj(concat[mtp_emb_norm(e), mtp_hidden_norm(h)])
         projection, norms, hidden_first = head.mtp_linear_proj, (head.mtp_emb_norm, head.mtp_hidden_norm), False
+    elif model.model_type == "exaone_moe":  # fc(concat[pre_fc_norm_embedding(e), pre_fc_norm_hidden(h)]), norm
+        projection, norms, hidden_first = head.fc, (head.pre_fc_norm_embedding, head.pre_fc_norm_hidden,
+                                                    head.norm), False
     else:  # eh_proj(concat[enorm(e), hnorm(h)]), then shared_head.norm
         projection, norms, hidden_first = head.eh_proj, (head.enorm, head.hnorm, head.shared_head.norm), False
     halves = [mx.eye(hidden), mx.zeros((hidden, hidden))]  # [hidden | embedding]

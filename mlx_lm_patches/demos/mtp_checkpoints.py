@@ -161,7 +161,7 @@ DEEPSEEK_LAYOUT = ("deepseek_v3", "deepseek_v32", "glm4_moe", "glm4_moe_lite")  
 # Every family whose tiny checkpoints get an MTP head here (the order: representatives of a cache
 # layout first, see tests/support/sweeps.py)
 MTP_MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "nemotron_h", "deepseek_v3", "deepseek_v32",
-                   "glm4_moe", "glm4_moe_lite", "mimo", "ernie4_5_moe")
+                   "glm4_moe", "glm4_moe_lite", "mimo", "ernie4_5_moe", "exaone_moe")
 
 
 def _deepseek_to_hf(params):
@@ -275,6 +275,10 @@ def write_mtp_checkpoint(root, family, *, form="mlx", quantized=False, placement
         weights = _deepseek_to_hf(backbone)  # (per-expert tensors, as ERNIE checkpoints store them)
         mtp = {(f"model.mtp_block.0.{k[len('layers.0.'):]}" if k.startswith("layers.0.")
                 else "model.{}.0.{}".format(*k.split(".", 1))): v for k, v in head_params.items()}
+    elif form == "hf" and family == "exaone_moe":  # per-expert backbone tensors; the head as mtp.*, norms as used
+        weights = {k.replace(".mlp.gate.e_score_correction_bias", ".mlp.e_score_correction_bias"): v
+                   for k, v in _deepseek_to_hf(backbone).items()}
+        mtp = {f"mtp.{k}": v for k, v in head_params.items()}
     elif form == "hf" and family in DEEPSEEK_LAYOUT:  # the head is the layer after the last
         weights = _deepseek_to_hf(backbone)
         mtp = _deepseek_head_to_hf(head_params, backbone, config["num_hidden_layers"])

@@ -811,6 +811,21 @@ def _cfg_ernie4_5_moe() -> Dict[str, Any]:
             "moe_num_shared_experts": 1, "moe_layer_interval": 1}
 
 
+def _cfg_exaone_moe() -> Dict[str, Any]:
+    # K-EXAONE's layout: sliding-window layers with RoPE, a full-attention layer without; the
+    # first layer dense, then MoE (4 experts, 2 per token, one shared). The window is wider than
+    # any sequence here (a rotating cache that has wrapped cannot be rolled back); the MTP layer
+    # is a full-attention one
+    return {"model_type": "exaone_moe", "vocab_size": _VOCAB, "hidden_size": _HIDDEN,
+            "intermediate_size": _FFN, "moe_intermediate_size": 32, "num_hidden_layers": 3,
+            "num_attention_heads": _HEADS, "num_key_value_heads": _KV_HEADS, "head_dim": _HEAD_DIM,
+            "num_experts": 4, "num_experts_per_tok": 2, "num_shared_experts": 1, "rms_norm_eps": 1e-5,
+            "max_position_embeddings": _MAX_POS, "sliding_window": 512,
+            "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+            "is_moe_layer": [False, True, True], "rope_theta": 1000000.0, "tie_word_embeddings": False,
+            "mtp_layer_types": ["full_attention"]}
+
+
 def _cfg_mimo() -> Dict[str, Any]:
     return dict(_cfg_llama(), model_type="mimo", num_nextn_predict_layers=1)
 
@@ -847,6 +862,7 @@ _CONFIGS: Dict[str, Callable[[], Dict[str, Any]]] = {
     "glm4_moe_lite": _cfg_glm4_moe_lite,
     "mimo": _cfg_mimo,
     "ernie4_5_moe": _cfg_ernie4_5_moe,
+    "exaone_moe": _cfg_exaone_moe,
 }
 
 

@@ -32,6 +32,10 @@ layers (attention layers with their own KV cache), the head's final norm, the sh
 * MiMo (mimo): ``model.mtp_layers.{i}``: ``token_layernorm``, ``hidden_layernorm``, ``input_proj``
   (the normalized hidden state first), the family's decoder layer, ``final_layernorm``; shared
   embedding and output head (the MiMo report, arXiv:2505.07608; vLLM's ``mimo_mtp.py``).
+* K-EXAONE (exaone_moe): ``mtp.fc``, ``mtp.pre_fc_norm_embedding``, ``mtp.pre_fc_norm_hidden``
+  (the normalized embedding first), ``mtp.layers.{i}`` (a decoder layer with a dense MLP; a
+  full-attention one is kept), ``mtp.norm``; shared embedding and output head (vLLM's
+  ``exaone_moe_mtp.py``).
 * ERNIE 4.5 MoE (ernie4_5_moe): ``model.mtp_emb_norm.{i}``, ``model.mtp_hidden_norm.{i}``,
   ``model.mtp_linear_proj.{i}`` (the normalized embedding first) and ``model.mtp_block.{i}``, a
   dense decoder layer whose output goes to the shared output head with no norm between (vLLM's
@@ -489,11 +493,55 @@ class Ernie(_ExtraLayerHead):
         return _identity
 
 
+class Exaone(_ExtraLayerHead):
+    """K-EXAONE (exaone_moe): ``mtp.fc``, ``mtp.pre_fc_norm_embedding``, ``mtp.pre_fc_norm_hidden``
+    (the normalized embedding first), ``mtp.layers.{i}`` - a decoder layer of the family with a
+    dense MLP (``intermediate_size``) and the attention ``mtp_layer_types`` names - and
+    ``mtp.norm`` before the shared output head. Followed: vLLM's ``exaone_moe_mtp.py`` (the tensor
+    names, the order of the halves, the main model's final hidden state as input, the shared
+    embedding and output head) and its ``exaone_moe.py`` (an MTP layer's MLP is dense, its
+    attention slides where ``mtp_layer_types`` says so, RoPE as in the backbone: where the layer
+    slides, or everywhere when no backbone layer does). A sliding-window MTP layer is not kept yet:
+    its cache would be a rotating one, which speculation cannot roll back past its window."""
+
+    names = ("exaone_moe",)
+
+    def build(self, model, config, weights, n_layers):
+        import dataclasses
+
+        import mlx.nn as nn
+
+        from mlx_lm.models.exaone_moe import DecoderLayer
+
+        kinds = list(config.get("mtp_layer_types") or ["full_attention"])
+        if kinds[0] != "full_attention":
+            raise HeadUnsupported(f"its MTP layer is {kinds[0]}: only a full-attention MTP layer is kept")
+        head = self._fusion_head(model, n_layers, "K-EXAONE", ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "fc"))
+        args = model.args
+        # The head's layer as layer 0 of a model whose first layer is a dense full-attention one;
+        # the backbone's kinds follow, so "does any layer slide" (RoPE everywhere?) is the backbone's.
+        layer_args = dataclasses.replace(args, layer_types=["full_attention", *args.layer_types],
+                                         is_moe_layer=[False, *args.is_moe_layer])
+        head.layers = [DecoderLayer(layer_args, 0)]
+        head.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        return head
+
+    def convert(self, tensors, mlx_layout=False):
+        return dict(tensors)
+
+    def fusion(self, head):
+        return head.pre_fc_norm_embedding, head.pre_fc_norm_hidden, head.fc
+
+    def head_norm(self, head):
+        return head.norm
+
+
 def _identity(x):
     return x
 
 
-FAMILIES = {name: family for family in (Qwen(), NemotronH(), DeepSeekV3(), MiMo(), Ernie()) for name in family.names}
+FAMILIES = {name: family for family in (Qwen(), NemotronH(), DeepSeekV3(), MiMo(), Ernie(), Exaone())
+            for name in family.names}
 
 
 # Why the heads of families mlx-lm drops MTP layers for are not kept (what ``mtp_status`` says).
