@@ -159,3 +159,27 @@ def test_a_derivable_head_proposes_the_main_models_prediction(written, family):
         # the head read h_{C-1} and x_C: it must propose what the main model predicts from h_{C-1}
         proposal = int(mx.argmax(row).item())
         assert proposal == predicted[committed - 1], (committed, proposal, predicted[committed - 1])
+
+
+@pytest.mark.skipif("exaone_moe" not in FAMILIES, reason="this mlx-lm has no exaone_moe")
+def test_a_sliding_window_exaone_mtp_layer_is_reported_not_built(tmp_path):
+    """K-EXAONE with ``mtp_layer_types: ["sliding_attention"]``: its rotating cache could not be
+    rolled back past its window, so the head is not built and ``mtp_status`` says why; the
+    backbone loads and generates as without the head."""
+    import json
+
+    from mlx_lm import load
+
+    written = write_mtp_checkpoint(tmp_path, "exaone_moe", dtype="float32")
+    config_path = written.folder / "config.json"
+    config = json.loads(config_path.read_text())
+    config["mtp_layer_types"] = ["sliding_attention"]
+    config_path.write_text(json.dumps(config))
+    model = load(str(written.folder))[0]
+    assert model.mtp is None
+    assert model.mtp_status == ("MTP head not built: its MTP layer is sliding_attention: only a full-attention "
+                                "MTP layer is kept"), model.mtp_status
+    prompt = prompt_tokens(12, seed=4)
+    reference = load(str(write_mtp_checkpoint(tmp_path, "exaone_moe", dtype="float32", name="plain",
+                                              drop=[f"mtp.{k}" for k in written.head], declare=False).folder))[0]
+    assert greedy(model, prompt, max_tokens=8).tokens == greedy(reference, prompt, max_tokens=8).tokens
