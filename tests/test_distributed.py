@@ -21,19 +21,24 @@ that reuses a stored prompt, draft caches included - exactly as the single-proce
 reference (without ``mtp-draft-selection``, a strict xfail: stock refuses). On a checkpoint
 without a head, every rank refuses the load with the same error.
 
-A failure on one rank must reach the client within a bounded time, not hang it. Each server ends
-with one (the servers run a test-only entry, ``HOOK``, that fails on rank 1 for a marked request
-and serves every other one unchanged): on the pipeline server rank 1 dies (the client gets an
-error, ``mlx.launch`` ends rank 0, every process exits); on the tensor server rank 1 alone raises
-inside the request: with ``distributed-request-agreement`` every rank refuses it (the client gets
-the error, the next request is answered exactly); without it (a third launch) rank 0 waits
-forever, a strict xfail bounded by the client's timeout.
+Under tensor parallelism the MTP head is split by the family's own ``Model.shard``: one launch
+of a script (``sharded_load`` on two ranks, every kept family with ``shard`` in the release)
+shows each rank holds part of the head and computes the single-process head's logits.
 
-CI time: the suite runs on every mlx-lm release of the matrix on 2 cores, so this module runs on
-the newest tested release only (``tested_versions`` in compat_matrix.yaml; 0.32 is the first to
-pipeline hybrid families, 0.31.3 could run tensor-parallel qwen3_5). Seven launches in all, each
-bounded (readiness, client and stop timeouts), their whole process groups killed when the
-fixture ends; a third, short one shows the stock hang.
+A failure on one rank must reach the client within a bounded time, not hang it. Each server ends
+with failures (the servers run a test-only entry, ``HOOK``, that fails on rank 1 for a marked
+request and serves every other one unchanged): on the pipeline server rank 1 dies (the client
+gets an error, ``mlx.launch`` ends rank 0, every process exits); on the tensor server rank 1
+alone raises while tokenizing (with ``distributed-request-agreement`` every rank refuses it, the
+next request is answered exactly), then inside the model forward (with
+``distributed-generation-death`` rank 1 ends its process and ``mlx.launch`` the others: the
+client gets an error, every process exits). Without each patch (a launch each) the request
+hangs: strict xfails bounded by the client's timeout.
+
+CI time: the module runs on the own row of every mlx-lm release that can shard a hybrid family
+(``Model.shard`` for qwen3_5: 0.31.1+; ``model.model.pipeline`` for qwen3_next: 0.32.0+), not on
+the newest-mlx twins (``release_only``). Nine launches on the newest releases, each bounded
+(readiness, client and stop timeouts), their whole process groups killed when the fixture ends.
 """
 
 import concurrent.futures
@@ -77,12 +82,6 @@ LAYOUTS = {"tensor-qwen3_5": ("qwen3_5", ()), "pipeline-qwen3_next": ("qwen3_nex
 
 
 def _release_skip():
-    from mlx_lm_patches.engine import matrix, versions
-
-    installed, newest = versions.mlx_lm().parsed, matrix.load().newest_tested()
-    if installed.release != newest.release:
-        return (f"mlx-lm {installed}: distributed serving is tested on the newest tested release "
-                f"({newest}) only, for CI time")
     if not pathlib.Path(launcher()).exists():
         return "no mlx.launch beside this interpreter"
     return None
@@ -180,9 +179,9 @@ def served(request, tmp_path_factory, hook):
         logged = len(REUSED.findall(server.log()))
         diverging = _ask(client, DIVERGING)
         decisions = _logged(server, REUSED, logged + RANKS)[logged:]
-        failure = _fail(server, FAILURES[request.param])
+        failures = {mode: _fail(server, mode) for mode in FAILURES[request.param]}
         yield dict(folder=folder, concurrent=concurrent_answers, diverging=diverging,
-                   decisions=decisions, failure=failure)
+                   decisions=decisions, failures=failures)
 
 
 @pytest.fixture(scope="module")
@@ -309,6 +308,85 @@ def test_stock_draft_model_mtp_on_two_ranks_answers(pid, tmp_path_factory, refer
     assert answer == reference(folder, CONCURRENT[0]).text, answer
 
 
+# -- the MTP head under tensor parallelism -----------------------------------------------------
+
+# Families whose head is kept and whose Model.shard the head's layers go through (where the
+# installed release has the family and its shard).
+SHARDED_HEADS = ("qwen3_5", "qwen3_5_moe", "deepseek_v3", "deepseek_v32", "glm4_moe", "glm4_moe_lite", "exaone_moe")
+
+HEAD_SCRIPT = textwrap.dedent('''\
+    """Each rank: sharded_load each folder (tensor parallel), then one MTP pass of its head on a
+    fixed input; writes what it saw to OUT/rank<r>-<i>.json."""
+    import json
+    import sys
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import sharded_load
+
+    from mlx_lm_patches.mechanisms.mtp.decoding import make_mtp_cache, mtp_forward
+
+    out = sys.argv[1]
+    rank = mx.distributed.init().rank()
+    for i, folder in enumerate(sys.argv[2:]):
+        model = sharded_load(folder)[0]
+        head = model.mtp
+        with open(f"{folder}/config.json") as f:
+            config = json.load(f)
+        hidden = mx.random.normal((1, 5, config.get("text_config", config)["hidden_size"]), key=mx.random.key(7))
+        logits, _ = mtp_forward(model, hidden, mx.array([[3, 1, 4, 1, 5]]), make_mtp_cache(model))
+        with open(f"{out}/rank{rank}-{i}.json", "w") as f:
+            json.dump(dict(status=model.mtp_status, logits=logits.astype(mx.float32).tolist(),
+                           head_size=sum(v.size for _, v in tree_flatten(head.parameters()))), f)
+''')
+
+
+def _tensor_sharded_families():
+    import importlib.util
+
+    return [f for f in SHARDED_HEADS if importlib.util.find_spec(f"mlx_lm.models.{f}") is not None
+            and hasattr(build_tiny_model(f, seed=1), "shard")]
+
+
+def test_mtp_head_is_sharded_with_the_model_and_computes_the_same(tmp_path):
+    """``sharded_load`` on two ranks (tensor parallel): each family's MTP head is split by the
+    family's own ``Model.shard`` like the backbone's layers (each rank holds less than the whole
+    head, ``mtp_status`` says so), and one pass of it gives the single-process head's logits on
+    every rank (within 1e-4)."""
+    import json
+
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm import load
+
+    import mlx_lm_patches
+    from mlx.utils import tree_flatten
+    from mlx_lm_patches.mechanisms.mtp.decoding import make_mtp_cache, mtp_forward
+    from support.server import run_ranks
+
+    families = _tensor_sharded_families()
+    if not families:
+        pytest.skip("no family whose MTP head is kept has Model.shard in this release")
+    mlx_lm_patches.apply()
+    folders = [str(write_mtp_checkpoint(tmp_path, f, dtype="float32", name=f).folder) for f in families]
+    script = tmp_path / "head_ranks.py"
+    script.write_text(HEAD_SCRIPT)
+    done = run_ranks(script, tmp_path, *folders, ranks=RANKS, env=clean_env(), timeout=READY_TIMEOUT)
+    assert done.returncode == 0, done.stdout[-3000:]
+    for i, (family, folder) in enumerate(zip(families, folders)):
+        model = load(folder)[0]
+        whole = sum(v.size for _, v in tree_flatten(model.mtp.parameters()))
+        config = tiny_config(family)
+        x = mx.random.normal((1, 5, config.get("text_config", config)["hidden_size"]), key=mx.random.key(7))
+        expected = np.array(mtp_forward(model, x, mx.array([[3, 1, 4, 1, 5]]), make_mtp_cache(model))[0])
+        for rank in range(RANKS):
+            seen = json.loads((tmp_path / f"rank{rank}-{i}.json").read_text())
+            assert f"sharded over {RANKS} ranks" in seen["status"], (family, seen["status"])
+            assert seen["head_size"] < whole, (family, seen["head_size"], whole)
+            np.testing.assert_allclose(np.array(seen["logits"]), expected, atol=1e-4, rtol=0,
+                                       err_msg=f"{family} rank {rank}")
+
+
 def test_every_rank_makes_the_same_reuse_decision(served):
     decisions = served["decisions"]
     assert len(decisions) == RANKS and len(set(decisions)) == 1, (
@@ -317,15 +395,19 @@ def test_every_rank_makes_the_same_reuse_decision(served):
 
 # -- a failure on one rank --------------------------------------------------------------------
 
-# Which failure each layout's server ends with (a request whose last message is the marker).
-FAILURES = {"tensor-qwen3_5": "raise", "pipeline-qwen3_next": "exit"}
+# The failures each layout's server is sent last, in order (requests whose last message is the
+# marker): one the ranks agree on and go on from, then one that ends the server.
+FAILURES = {"tensor-qwen3_5": ("raise", "forward"), "pipeline-qwen3_next": ("exit",)}
+ENDING = ("exit", "forward")  # every process must have exited after these
 MARKER = "<<fail on rank 1: {}>>"
 
 HOOK = textwrap.dedent('''\
     """Test-only entry: mlx_lm.server, where rank 1 fails on a request whose last message is
-    "<<fail on rank 1: exit>>" (its process dies while tokenizing it) or "<<fail on rank 1:
-    raise>>" (its chat template raises: as a template that differs between hosts would). Every
-    other request is served unchanged."""
+    "<<fail on rank 1: exit>>" (its process dies while tokenizing it), "<<fail on rank 1:
+    raise>>" (its chat template raises: as a template that differs between hosts would) or
+    "<<fail on rank 1: forward>>" (its model forward raises). Every other request is served
+    unchanged."""
+    import importlib
     import os
 
     import mlx_lm.server as server
@@ -341,6 +423,24 @@ HOOK = textwrap.dedent('''\
             return tokenize(self, tokenizer, request, args)
 
         server.ResponseGenerator._tokenize = _tokenize
+        failing = {}
+
+        def _tokenize(self, tokenizer, request, args, tokenize=_tokenize):
+            last = (getattr(request, "messages", None) or [{}])[-1].get("content")
+            failing["forward"] = last == "<<fail on rank 1: forward>>"
+            return tokenize(self, tokenizer, request, args)
+
+        server.ResponseGenerator._tokenize = _tokenize
+        for family in ("qwen3_5", "qwen3_next"):
+            model_class = importlib.import_module(f"mlx_lm.models.{family}").Model
+            forward = model_class.__call__
+
+            def __call__(self, *args, forward=forward, **kwargs):
+                if failing.get("forward"):
+                    raise RuntimeError("failure injected on rank 1 (the model forward)")
+                return forward(self, *args, **kwargs)
+
+            model_class.__call__ = __call__
         template = tokenizer_utils.TokenizerWrapper.apply_chat_template
 
         def apply_chat_template(self, messages, *args, **kwargs):
@@ -355,7 +455,7 @@ HOOK = textwrap.dedent('''\
 
 def _fail(server, mode, then_ask=True):
     """Send the failure request; what came back (an exception counts), after how many seconds,
-    and (``exit``) whether every process had exited ``EXIT_TIMEOUT`` seconds after that;
+    and (``exit``, ``forward``) whether every process had exited ``EXIT_TIMEOUT`` seconds after that;
     (``raise`` and ``then_ask``) the answer to a next request."""
     started = time.monotonic()
     try:
@@ -364,7 +464,8 @@ def _fail(server, mode, then_ask=True):
     except Exception as error:  # openai.APIConnectionError, APITimeoutError, APIStatusError
         outcome = error
     seconds = time.monotonic() - started
-    while mode == "exit" and server.group_alive() and time.monotonic() - started < seconds + EXIT_TIMEOUT:
+    hung = type(outcome).__name__ == "APITimeoutError"  # then there is nothing to wait for
+    while mode in ENDING and not hung and server.group_alive() and time.monotonic() - started < seconds + EXIT_TIMEOUT:
         time.sleep(0.2)
     after = None
     if mode == "raise" and then_ask:  # the ranks must still be in step: the next request is answered
@@ -377,13 +478,12 @@ def _fail(server, mode, then_ask=True):
 
 
 def _failure(served, mode):
-    assert served["failure"]["mode"] == mode
-    return served["failure"]
+    return served["failures"][mode]
 
 
 def _ending_with(mode):
-    """Run the test on the server of the layout that ends with ``mode``."""
-    return pytest.mark.parametrize("served", [k for k, v in FAILURES.items() if v == mode],
+    """Run the test on the server of the layout that is sent failure ``mode``."""
+    return pytest.mark.parametrize("served", [k for k, v in FAILURES.items() if mode in v],
                                    indirect=True)
 
 
@@ -397,6 +497,46 @@ def test_a_rank_dying_mid_request_fails_the_request_and_every_process_exits(serv
     assert not isinstance(outcome, openai.APITimeoutError), f"no answer after {failure['seconds']:.0f}s"
     assert failure["exited"], f"ranks still running {EXIT_TIMEOUT:.0f}s after rank 1 died"
     assert "rank 1 exited with code 3" in failure["log"]
+
+
+@_ending_with("forward")
+def test_a_rank_failing_in_the_forward_fails_the_request_and_every_process_exits(served):
+    """``distributed-generation-death``: the model forward raises on rank 1 only, inside the
+    batch loop (rank 0 is then waiting in the model's collective): rank 1 ends its process,
+    ``mlx.launch`` ends rank 0, the client gets an error within a bounded time."""
+    import openai
+
+    failure = _failure(served, "forward")
+    outcome = failure["outcome"]
+    assert isinstance(outcome, (openai.APIConnectionError, openai.APIStatusError)), outcome
+    assert not isinstance(outcome, openai.APITimeoutError), f"no answer after {failure['seconds']:.0f}s"
+    assert failure["exited"], f"ranks still running {EXIT_TIMEOUT:.0f}s after rank 1 failed"
+    assert "the generation loop of rank 1 of 2 stopped on RuntimeError" in failure["log"], failure["log"][-3000:]
+    assert "rank 1 exited with code 70" in failure["log"], failure["log"][-3000:]
+
+
+@pytest.fixture(scope="module")
+def stock_forward(tmp_path_factory, hook):
+    """The tensor layout without ``distributed-generation-death`` (every other patch on), sent
+    only the request whose forward raises on rank 1."""
+    model_type, args = _layout("tensor-qwen3_5")
+    folder = _folder(tmp_path_factory, model_type)
+    with serve(folder, *args, *_prefill_args(), ranks=RANKS, ready_timeout=READY_TIMEOUT, entry=(str(hook),),
+               env=clean_env(MLX_LM_PATCHES_DISABLE="distributed-generation-death")) as server:
+        yield _fail(server, "forward")
+
+
+@pytest.mark.parametrize("pid", [pytest.param("distributed-generation-death",
+                                              marks=xfail_if_affected("distributed-generation-death"))])
+def test_stock_a_rank_failing_in_the_forward_fails_the_request_in_bounded_time(pid, stock_forward):
+    """Stock mlx-lm: rank 1's generation thread dies, its process lives on, rank 0 waits in the
+    model's collective: no answer (bounded here by the client's timeout), no process exits. A
+    strict xfail where compat_matrix.yaml says the release is affected."""
+    import openai
+
+    outcome = stock_forward["outcome"]
+    assert not isinstance(outcome, openai.APITimeoutError), f"no answer after {stock_forward['seconds']:.0f}s"
+    assert stock_forward["exited"], f"ranks still running {EXIT_TIMEOUT:.0f}s after rank 1 failed"
 
 
 @_ending_with("raise")

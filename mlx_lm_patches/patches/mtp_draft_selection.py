@@ -23,9 +23,12 @@ Fix
     pipeline). So for ``mtp`` alone the wrapper loads the model as stock does, takes its head as
     the draft, and checks that every rank has one (one collective; a head missing on any rank
     fails the load on every rank, naming the ranks) - a draft on one rank only would
-    desynchronize the collectives. The head is replicated, not sharded: each rank runs all of
-    it (``model.mtp_status`` says so); its logits are gathered like the model's where the
-    output projection is vocabulary-sharded.
+    desynchronize the collectives. Under tensor parallelism the head's layers are split by the
+    family's own ``Model.shard`` (``mtp-heads-kept``, ``mechanisms/mtp/sharding.py``); under
+    pipeline parallelism every rank runs all of it; ``model.mtp_status`` says which. Its logits
+    are gathered like the model's where the output projection is vocabulary-sharded. Servers
+    before 0.31.3 load a draft with ``load`` after ``sharded_load``: there ``mtp`` is the head
+    of the model ``sharded_load`` loaded last, with the same agreement.
 
 Affected
     Every supported release (0.28.4 - 0.32.2); the probe decides on newer ones.
@@ -55,6 +58,7 @@ SERVER = "mlx_lm.server"
 SENTINEL = "mtp"
 
 MODEL, TOKENIZER = "the last loaded model (weakly)", "its tokenizer"
+SHARDED = "whether sharded_load loaded it"
 
 log = logging.getLogger("mlx_lm_patches")
 
@@ -74,19 +78,44 @@ def _load_or_mtp_draft(last, wrapped, instance, args, kwargs):
     """``last``: the patcher's memo (cleared by revert), which remembers the last main model."""
     path = args[0] if args else kwargs.get("path_or_hf_repo")
     if path != SENTINEL or os.path.exists(SENTINEL):  # a real folder named "mtp" wins
-        result = wrapped(*args, **kwargs)
-        last[MODEL], last[TOKENIZER] = weakref.ref(result[0]), result[1]
-        return result
+        return _remembered(last, wrapped(*args, **kwargs), sharded=False)
     model = last[MODEL]() if last.get(MODEL) is not None else None
     if model is None:
         raise ValueError("--draft-model mtp drafts with the main model's MTP head: load the main model first")
-    return _mtp_draft(model), last.get(TOKENIZER)
-
-
-def _every_rank_has_a_draft(group, problem) -> None:
-    """One collective over ``group``, the world group (every rank loads at the same point of the
-    request stream): raise the same error on every rank if any rank has no draft."""
+    if not last.get(SHARDED):
+        return _mtp_draft(model), last.get(TOKENIZER)
+    # The server of 0.31.2 and earlier loads a draft with ``load`` after ``sharded_load``, on
+    # every rank: the ranks must agree that each has the head (one collective), as below.
     import mlx.core as mx
+
+    draft, problem = None, None
+    try:
+        draft = _mtp_draft(model)
+    except Exception as exc:  # MTPUnavailable, or no interface: reported on every rank below
+        problem = str(exc)
+    _every_rank_has_a_draft(mx.distributed.init(), problem, model)
+    return draft, last.get(TOKENIZER)
+
+
+def _remembered(last, loaded, sharded):
+    """``loaded`` (``(model, tokenizer, ...)``) remembered as the last main model."""
+    last[MODEL], last[TOKENIZER], last[SHARDED] = weakref.ref(loaded[0]), loaded[1], sharded
+    return loaded
+
+
+def mx_group_size() -> int:
+    import mlx.core as mx
+
+    return mx.distributed.init().size()
+
+
+def _every_rank_has_a_draft(group, problem, model) -> None:
+    """One collective over ``group``, the world group (every rank loads at the same point of the
+    request stream): raise the same error on every rank if any rank has no draft; else say how
+    the head is spread over the ranks (``model.mtp_status``, and a debug line per rank)."""
+    import mlx.core as mx
+
+    from mlx_lm_patches.mechanisms.mtp.sharding import sharding_of
 
     flags = mx.distributed.all_gather(mx.array([0 if problem else 1], dtype=mx.int32), group=group, stream=mx.cpu)
     missing = [rank for rank, flag in enumerate(flags.tolist()) if not flag]
@@ -94,6 +123,11 @@ def _every_rank_has_a_draft(group, problem) -> None:
         why = f": {problem}" if problem else " (see their logs)"
         raise ValueError(f"--draft-model mtp: no MTP head on rank(s) {', '.join(map(str, missing))} "
                          f"of {group.size()}{why}")
+    how = sharding_of(model)
+    if how not in model.__dict__.get("mtp_status", ""):
+        model.__dict__["mtp_status"] = f"{model.__dict__.get('mtp_status', 'MTP head kept')}; {how}"
+    log.debug("mlx-lm-patches: --draft-model mtp: rank %d of %d drafts with the model's MTP head (%s)",
+              group.rank(), group.size(), how)
 
 
 def _distributed_load_with_mtp_draft(wrapped, instance, args, kwargs):
@@ -114,13 +148,7 @@ def _distributed_load_with_mtp_draft(wrapped, instance, args, kwargs):
         draft = _mtp_draft(instance.model)
     except Exception as exc:  # MTPUnavailable, or no interface: reported on every rank below
         problem = str(exc)
-    group = mx.distributed.init()
-    _every_rank_has_a_draft(group, problem)
-    model = instance.model
-    model.__dict__["mtp_status"] = (f"{model.__dict__.get('mtp_status', 'MTP head kept')}; replicated on "
-                                    f"each of {group.size()} ranks (not sharded)")
-    log.debug("mlx-lm-patches: --draft-model mtp: rank %d of %d drafts with the model's MTP head (replicated, not sharded)",
-              group.rank(), group.size())
+    _every_rank_has_a_draft(mx.distributed.init(), problem, instance.model)
     instance.draft_model = draft
     instance.model_key = (*instance.model_key[:2], draft_path)
     instance.is_batchable = False
@@ -142,6 +170,11 @@ def apply(p):
     p.wrap(f"{GENERATE}:load", load)
     p.wrap(f"{SERVER}:load", load)
     p.wrap_if_present(f"{SERVER}:ModelProvider._load", _distributed_load_with_mtp_draft)  # 0.31.3+
+
+    def sharded_load(wrapped, instance, args, kwargs):  # distributed: <= 0.31.2 drafts through load()
+        return _remembered(last, wrapped(*args, **kwargs), sharded=mx_group_size() > 1)
+
+    p.wrap_if_present(f"{SERVER}:sharded_load", sharded_load)
 
 
 def scenario():

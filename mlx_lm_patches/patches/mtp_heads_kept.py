@@ -94,6 +94,19 @@ def _load_model_with_mtp(wrapped, instance, args, kwargs, track=None):
     return model, config
 
 
+# Families whose Model.shard (tensor parallelism) the head's layers go through too (where defined).
+SHARDED_FAMILIES = ("qwen3_5", "deepseek_v3", "deepseek_v32", "glm4_moe", "glm4_moe_lite", "exaone_moe")
+
+
+def _shard_with_head(wrapped, instance, args, kwargs):
+    from mlx_lm_patches.mechanisms.calls import bind_arguments
+    from mlx_lm_patches.mechanisms.mtp.sharding import shard_head
+
+    result = wrapped(*args, **kwargs)
+    shard_head(wrapped.__func__, instance, bind_arguments(wrapped, args, kwargs).arguments.get("group"))
+    return result
+
+
 def probe():
     try:
         from mlx_lm.models import qwen3_next
@@ -113,6 +126,9 @@ def apply(p):
     for family in sorted(FAMILIES):  # every family whose head is kept (its sanitize is a declared target)
         if importlib.util.find_spec(f"mlx_lm.models.{family}") is not None:
             p.wrap(f"mlx_lm.models.{family}:Model.sanitize", _sanitize_without_mtp)
+    for family in SHARDED_FAMILIES:  # the head's layers sharded as the backbone's
+        if importlib.util.find_spec(f"mlx_lm.models.{family}") is not None:
+            p.wrap_if_present(f"mlx_lm.models.{family}:Model.shard", _shard_with_head)
     track = p.track  # revert takes the interface (and the draft's class swap) off loaded models
 
     def load_model(wrapped, instance, args, kwargs):

@@ -42,7 +42,7 @@ import tempfile
 import time
 from typing import Iterator, Mapping, Optional
 
-__all__ = ["Server", "ServerExited", "free_port", "launcher", "serve", "server_flags"]
+__all__ = ["Server", "ServerExited", "free_port", "launcher", "run_ranks", "serve", "server_flags"]
 
 HOST = "127.0.0.1"
 
@@ -238,6 +238,51 @@ def _calm_launcher(pid: int, ranks: int) -> bool:
     return True
 
 
+def run_ranks(script, *args: str, ranks: int = 2, env: Optional[Mapping[str, str]] = None,
+              python: Optional[str] = None, timeout: float = 180.0) -> subprocess.CompletedProcess:
+    """Run ``python SCRIPT *args`` on ``ranks`` local ranks (``mlx.launch -n RANKS --backend
+    ring``) to the end; their output (stdout and stderr, merged) in ``.stdout``. The whole process
+    group is killed after ``timeout`` seconds (``returncode`` None then)."""
+    python = python or sys.executable
+    env = dict(os.environ if env is None else env)
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    with tempfile.TemporaryFile() as out:
+        process = subprocess.Popen(_launch_argv(python, ranks, str(script), *map(str, args)), stdin=subprocess.DEVNULL,
+                                   stdout=out, stderr=subprocess.STDOUT, env=env, cwd="/", start_new_session=True)
+        deadline, calmed, code = time.monotonic() + timeout, False, None
+        while code is None and time.monotonic() < deadline:
+            calmed = calmed or _calm_launcher(process.pid, ranks)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                code = process.wait(0.2)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        out.seek(0)
+        return subprocess.CompletedProcess(process.args, code, out.read().decode(errors="replace"))
+
+
+def _launch_argv(python: str, ranks: int, script: str, *args: str) -> list:
+    """``mlx.launch`` running ``python SCRIPT *args`` on ``ranks`` local ranks, each through
+    ``rank_main.py`` (a kernel cache of its own)."""
+    return [launcher(python), "-n", str(ranks), "--backend", "ring", "--python", python,
+            "--starting-port", str(free_port()), "--", str(RANK_MAIN), script, *args]
+
+
+RANK_MAIN = pathlib.Path(__file__).with_name("rank_main.py")  # each rank: a kernel cache of its own
+
+
+def _script(python: str, entry) -> str:
+    """The script that runs ``python *entry`` (``-m mlx_lm.server``: its console script). Every
+    ``mlx.launch --python PYTHON`` runs a script file with that interpreter; those before mlx
+    0.32 take any existing file as the script, the interpreter's own path included, so ``--
+    python -m mlx_lm.server`` does not work there."""
+    if tuple(entry) == ("-m", "mlx_lm.server"):
+        return str(pathlib.Path(python).parent / "mlx_lm.server")
+    if len(entry) == 1 and pathlib.Path(entry[0]).is_file():
+        return str(pathlib.Path(entry[0]).resolve())
+    raise ValueError(f"mlx.launch cannot run {python} {' '.join(entry)}: give a script file")
+
+
 @contextlib.contextmanager
 def serve(model, *args: str, env: Optional[Mapping[str, str]] = None,
           python: Optional[str] = None, port: Optional[int] = None,
@@ -271,8 +316,7 @@ def serve(model, *args: str, env: Optional[Mapping[str, str]] = None,
         argv = [python, *entry, "--model", str(model), "--host", HOST, "--port", str(port),
                 *map(str, args)]
         if ranks > 1:
-            argv = [launcher(python), "-n", str(ranks), "--backend", "ring",
-                    "--starting-port", str(free_port()), "--", *argv]
+            argv = _launch_argv(python, ranks, _script(python, entry), *argv[1 + len(entry):])
         with open(log_path, "wb") as log_file:
             process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_file,
                                        stderr=subprocess.STDOUT, env=env, cwd=cwd,

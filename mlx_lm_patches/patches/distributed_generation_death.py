@@ -1,0 +1,125 @@
+"""Distributed ``mlx_lm.server``: a rank whose generation loop died ends its process, so that
+``mlx.launch`` ends the others and every client gets an error, instead of the whole server
+hanging forever.
+
+Bug
+    With more than one rank (``mlx.launch ... mlx_lm.server``) every rank runs the same
+    generation loop (``ResponseGenerator._generate``), in lockstep: each request is shared from
+    rank 0 with a collective, and the sharded model's forward meets in collectives. When the
+    loop of one rank dies - an exception inside the model forward or its evaluation on that rank
+    only (a layer that fails on one pipeline stage, memory that runs out on one host) reaches
+    the loop, which ends its thread - the other ranks wait in their next collective for a rank
+    that will never come. ``mlx.launch`` ends every rank once one exits with an error, but
+    this one does not: rank 0's process stays alive (its HTTP threads run), and another rank
+    returns from ``main`` with exit code 0, which ``mlx.launch`` takes for a rank that
+    completed. The request in flight and every later one hang, and the other processes never
+    exit. (0.32.0+ answers "generation thread died" on rank 0 when its own loop died; another
+    rank's death is never seen.)
+
+Fix
+    Wrap ``ResponseGenerator._generate`` (the loop). In a group of more than one rank, when it
+    raises, log which rank stopped and why and end the process with exit code ``EXIT_CODE``:
+    rank 0 ``GRACE_SECONDS`` later, after the error went on to whatever answers its requests in
+    flight (mlx-lm's own handler, or ``server-thread-death``); another rank at once.
+    ``mlx.launch`` then ends every other rank: the clients get an error (rank 0's own answer,
+    or a closed connection), and every process exits. One process: nothing changes.
+
+    A failure the ranks can agree on does not reach this point: a request that fails to
+    tokenize on some ranks is refused by all (``distributed-request-agreement``) and the server
+    goes on. What cannot be agreed on is a failure inside the model, once the ranks are inside
+    its collectives: ending the group is the only bounded outcome. Requests served one at a time
+    (``--draft-model``, models that cannot batch) catch their own errors per request, on the
+    failing rank only: not covered (docs/distributed.md).
+
+Affected
+    Every release whose server runs distributed (``ResponseGenerator._is_distributed``,
+    0.30.6 - 0.32.2); the probe decides.
+
+Upstream
+    https://github.com/ml-explore/mlx-lm/blob/v0.32.2/mlx_lm/server.py (``_run_generate``,
+    ``_generate``, ``_share_request``).
+
+Retire
+    When mlx-lm ends (or recovers) a distributed server whose generation loop died on one rank.
+
+Metal
+    Server control flow only.
+"""
+
+import atexit
+import inspect
+import logging
+import os
+import sys
+import threading
+
+from mlx_lm_patches.engine.contract import NotNeeded, Outcome
+
+SERVER = "mlx_lm.server"
+GRACE_SECONDS = 3.0  # for rank 0's handlers to answer the requests in flight with the error
+EXIT_CODE = 70  # EX_SOFTWARE
+
+log = logging.getLogger("mlx_lm_patches")
+
+
+def _group():
+    import mlx.core as mx
+
+    if not mx.distributed.is_available():
+        return None
+    group = mx.distributed.init()
+    return group if group.size() > 1 else None
+
+
+def _end_process():
+    for handler in logging.getLogger().handlers + log.handlers:
+        try:
+            handler.flush()
+        except Exception:  # noqa: BLE001 - exiting anyway
+            pass
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(EXIT_CODE)
+
+
+def _generate_or_end_the_rank(wrapped, instance, args, kwargs):
+    group = _group()
+    if group is None:
+        return wrapped(*args, **kwargs)
+    try:
+        return wrapped(*args, **kwargs)
+    except Exception as exc:
+        grace = GRACE_SECONDS if group.rank() == 0 else 0.0  # only rank 0 has clients to answer
+        log.error("mlx-lm-patches: the generation loop of rank %d of %d stopped on %s: %s; the other ranks "
+                  "would wait for it forever, so this rank ends in %.0f s (exit code %d) and mlx.launch "
+                  "ends the others", group.rank(), group.size(), type(exc).__name__, exc, grace, EXIT_CODE)
+        # A rank other than 0 returns from main once its loop ended: exit code 0, which mlx.launch
+        # takes for a rank that completed, leaving the others waiting. So the exit code is ours
+        # however the process ends.
+        atexit.register(_end_process)
+        if not grace:
+            _end_process()
+        timer = threading.Timer(grace, _end_process)
+        timer.daemon = True
+        timer.start()
+        raise
+
+
+def probe():
+    generator = sys.modules[SERVER].ResponseGenerator
+    if "_is_distributed" not in inspect.getsource(generator.__init__):
+        return NotNeeded("this mlx_lm.server does not run distributed")
+    ends = [getattr(generator, name, None) for name in ("_run_generate", "_generate")]
+    if any(f is not None and "_exit" in inspect.getsource(f) for f in ends):
+        return None  # mlx-lm ends the process itself
+    return "ResponseGenerator keeps a rank alive after its generation loop died (the other ranks wait forever)"
+
+
+def apply(p):
+    p.wrap(f"{SERVER}:ResponseGenerator._generate", _generate_or_end_the_rank)
+
+
+def scenario():
+    """Needs ranks: ``tests/test_distributed.py`` launches two (``mlx.launch -n 2``) and fails
+    the model forward on rank 1 only. In one process nothing changes."""
+    return Outcome(None, "needs more than one rank (mlx.launch); proven by tests/test_distributed.py")
