@@ -51,10 +51,11 @@ def _one_step_model(model, config, head, fused):
         final_norm = head.layers[-1].final_layernorm.weight
         main_head = model.lm_head
     elif model.model_type == "exaone_moe":
-        # the head's (dense, full-attention) layer first; a second, sliding layer that adds
-        # nothing (zero output projections) keeps "a layer slides", so RoPE is as in the backbone
-        config.update(num_hidden_layers=2, layer_types=["full_attention", "sliding_attention"],
-                      is_moe_layer=[False, False])
+        # the head's (dense) layer first, of the kind the config names; a second, sliding layer
+        # that adds nothing (zero output projections) keeps "a layer slides", so RoPE is as in
+        # the backbone
+        kind = (config.get("mtp_layer_types") or ["full_attention"])[0]
+        config.update(num_hidden_layers=2, layer_types=[kind, "sliding_attention"], is_moe_layer=[False, False])
         prefix, embed, norm, lm_head = "model.", "model.embed_tokens.weight", "model.norm.weight", "lm_head"
         layer = dict(tree_flatten(head.layers[0].parameters()))
         blocks = {f"layers.0.{k}": v for k, v in layer.items()}
@@ -153,3 +154,43 @@ def test_mtp_forward_is_the_documented_head(tmp_path, family):
         expected = reference(mx.arange(fused.shape[1])[None])
     worst = mx.abs(logits - expected).max().item()
     assert worst < LOGPROB_TOLERANCE, worst
+
+
+@pytest.mark.skipif("exaone_moe" not in FAMILIES, reason="this mlx-lm has no exaone_moe")
+def test_a_sliding_window_mtp_layer_attends_to_its_window(tmp_path):
+    """K-EXAONE with a sliding-window MTP layer (``mtp_layer_types``) and a window of 4 over 13
+    positions: the head (a plain cache and a window mask) equals mlx-lm's own model of the
+    family with that layer as its sliding layer 0 - in one pass, and one position at a time
+    through the same cache (where only the mask keeps the older keys out)."""
+    import json
+
+    import mlx.core as mx
+
+    from mlx_lm import load
+
+    written = write_mtp_checkpoint(tmp_path, "exaone_moe", dtype="float32")
+    config_path = written.folder / "config.json"
+    config = json.loads(config_path.read_text())
+    config.update(mtp_layer_types=["sliding_attention"], sliding_window=4)
+    config_path.write_text(json.dumps(config))
+    model = load(str(written.folder))[0]
+    assert model.mtp is not None, model.mtp_status
+    sequence = prompt_tokens(14, seed=11)
+    model.make_draft_model()
+    model(mx.array(sequence)[None])
+    hidden = model.hidden_states()["post"][:, :-1]
+    next_ids = mx.array(sequence[1:])[None]
+    at_once, _ = model.mtp_forward(hidden, next_ids, model.make_mtp_cache())
+    cache = model.make_mtp_cache()
+    one_by_one = mx.concatenate([model.mtp_forward(hidden[:, t:t + 1], next_ids[:, t:t + 1], cache)[0]
+                                 for t in range(next_ids.shape[1])], axis=1)
+
+    head = model.mtp
+    embedded = model.model.embed_tokens(next_ids)
+    halves = [_rms(embedded, head.pre_fc_norm_embedding.weight, head.pre_fc_norm_embedding.eps),
+              _rms(hidden, head.pre_fc_norm_hidden.weight, head.pre_fc_norm_hidden.eps)]
+    fused = mx.concatenate(halves, axis=-1) @ head.fc.weight.T
+    expected = _one_step_model(model, config, head, fused)(mx.arange(fused.shape[1])[None])
+    for got in (at_once, one_by_one):
+        worst = mx.abs(got - expected).max().item()
+        assert worst < LOGPROB_TOLERANCE, worst

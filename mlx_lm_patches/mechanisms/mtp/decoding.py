@@ -51,7 +51,7 @@ installed) are the lower-level interface engines built on mlx-lm call.
 import weakref
 from typing import List, Optional
 
-from mlx_lm_patches.mechanisms.mtp.families import family_of
+from mlx_lm_patches.mechanisms.mtp.families import SLIDING_WINDOW, family_of
 
 HIDDEN_KINDS = ("post", "pre")
 FUSION_ORDERS = ("embedding-first", "hidden-first")  # order of the two halves fed to ``fc``
@@ -289,6 +289,12 @@ def mtp_forward(model, hidden, next_ids, cache, fusion=None):
     z = projection(mx.concatenate(halves, axis=-1))
     own_mask = getattr(family, "attention_mask", None)
     mask = (own_mask(z, cache) if own_mask else create_attention_mask(z, cache[0])) if cache else None
+    window = head.__dict__.get(SLIDING_WINDOW)
+    if window is not None:  # sliding layers over a plain cache: the last ``window`` keys only
+        from mlx_lm.models.base import create_causal_mask
+
+        start = positions_cache(cache[0]).offset if cache else 0
+        mask = create_causal_mask(z.shape[1], start, window_size=window)
     z = family.run_layers(head, z, mask, cache)
     out = family.head_norm(head)(z)
     return family.logits(model, out), out

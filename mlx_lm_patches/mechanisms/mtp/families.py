@@ -58,6 +58,13 @@ def _set_aside_expert(key, value, experts) -> bool:
     return True
 
 
+# On a head whose attention layers slide: their window. Their cache is a plain ``KVCache`` (it can
+# be trimmed to any length, as speculation needs; a ``RotatingKVCache`` that has wrapped cannot)
+# and ``mtp_forward`` restricts each position to the last ``window`` keys with a mask, as the
+# family's own sliding layers attend.
+SLIDING_WINDOW = "_mlx_lm_patches_sliding_window"
+
+
 class HeadUnsupported(ValueError):
     """The checkpoint's head cannot be built with this mlx-lm; the message says why."""
 
@@ -501,8 +508,9 @@ class Exaone(_ExtraLayerHead):
     names, the order of the halves, the main model's final hidden state as input, the shared
     embedding and output head) and its ``exaone_moe.py`` (an MTP layer's MLP is dense, its
     attention slides where ``mtp_layer_types`` says so, RoPE as in the backbone: where the layer
-    slides, or everywhere when no backbone layer does). A sliding-window MTP layer is not kept yet:
-    its cache would be a rotating one, which speculation cannot roll back past its window."""
+    slides, or everywhere when no backbone layer does). A sliding-window MTP layer attends to the
+    last ``sliding_window`` positions as the backbone's do, through a plain cache and a window
+    mask (``SLIDING_WINDOW``), so speculation can roll it back anywhere."""
 
     names = ("exaone_moe",)
 
@@ -513,17 +521,20 @@ class Exaone(_ExtraLayerHead):
 
         from mlx_lm.models.exaone_moe import DecoderLayer
 
-        kinds = list(config.get("mtp_layer_types") or ["full_attention"])
-        if kinds[0] != "full_attention":
-            raise HeadUnsupported(f"its MTP layer is {kinds[0]}: only a full-attention MTP layer is kept")
+        kind = (list(config.get("mtp_layer_types") or ["full_attention"]))[0]
+        if kind not in ("full_attention", "sliding_attention"):
+            raise HeadUnsupported(f"its MTP layer is {kind}: not an attention kind this head knows")
         head = self._fusion_head(model, n_layers, "K-EXAONE", ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "fc"))
         args = model.args
-        # The head's layer as layer 0 of a model whose first layer is a dense full-attention one;
-        # the backbone's kinds follow, so "does any layer slide" (RoPE everywhere?) is the backbone's.
-        layer_args = dataclasses.replace(args, layer_types=["full_attention", *args.layer_types],
+        # The head's layer as layer 0 of a model whose first layer is a dense one of its kind; the
+        # backbone's kinds follow, so "does any layer slide" (RoPE everywhere?) is the backbone's
+        # (or true, for a sliding MTP layer).
+        layer_args = dataclasses.replace(args, layer_types=[kind, *args.layer_types],
                                          is_moe_layer=[False, *args.is_moe_layer])
         head.layers = [DecoderLayer(layer_args, 0)]
         head.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        if kind == "sliding_attention":
+            head.__dict__[SLIDING_WINDOW] = args.sliding_window
         return head
 
     def convert(self, tensors, mlx_layout=False):
