@@ -1105,10 +1105,11 @@ def _randomize_parameters(
                        strict=True)
 
 
-def build_tiny_model(model_type: str, seed: int = 0, dtype=mx.float32) -> nn.Module:
+def build_tiny_model(model_type: str, seed: int = 0, dtype=mx.float32, overrides=None) -> nn.Module:
     """Build a tiny random-weight mlx-lm model of ``model_type``.
 
-    The config comes from :func:`tiny_config`.  All floating-point
+    The config comes from :func:`tiny_config`, updated with ``overrides`` (e.g. a narrower
+    sliding window) if given.  All floating-point
     parameters are replaced by deterministic values derived from ``seed`` and
     each parameter's path, cast to ``dtype`` (float32 by default, so that
     prefill and step-by-step decoding agree closely) and evaluated.  The
@@ -1116,6 +1117,7 @@ def build_tiny_model(model_type: str, seed: int = 0, dtype=mx.float32) -> nn.Mod
     ``ModuleNotFoundError`` if the installed mlx-lm lacks the family.
     """
     config = tiny_config(model_type)
+    config.update(overrides or {})
     if not _module_exists(model_type):
         raise ModuleNotFoundError(
             f"mlx_lm.models.{model_type} is not in the installed mlx-lm",

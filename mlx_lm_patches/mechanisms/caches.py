@@ -41,6 +41,19 @@ def has_recurrent_state(caches) -> bool:
     return bool(recurrent_caches(caches))
 
 
+def rotating_cache_class():
+    """mlx-lm's ``RotatingKVCache`` (sliding-window attention of one sequence)."""
+    return sys.modules["mlx_lm.models.cache"].RotatingKVCache
+
+
+def kept_caches(caches) -> list:
+    """The leaves of ``caches`` whose past a ``trim`` cannot bring back, so a rollback has to
+    keep it: recurrent states (``ArraysCache``) and sliding windows (``RotatingKVCache``, which
+    overwrites its oldest keys once it holds ``max_size`` tokens and is then not trimmable)."""
+    kinds = (arrays_cache_class(), rotating_cache_class())
+    return [c for c in flat_caches(caches) if isinstance(c, kinds)]
+
+
 def arrays(value):
     """Every ``mx.array`` in a slot value (an array, or nested lists/tuples of them)."""
     import mlx.core as mx

@@ -1,18 +1,24 @@
-"""Exact rollback of a hybrid model's prompt cache: a journal of its recent forward passes.
+"""Exact rollback of a hybrid (or sliding-window) model's prompt cache: a journal of its recent
+forward passes.
 
 Attention caches (``KVCache`` and kin) go back in time by dropping their last keys and values.
 A recurrent layer's cache (``ArraysCache``: gated-delta, Mamba SSM, short-conv, RG-LRU, RWKV
 states) holds one state that each forward pass replaces; the state of ``n`` tokens ago is gone
 unless it was kept. Setting it to zero ("reset", mlx-lm PR #1254) is *not* a rollback: it changes
-every later token.
+every later token. A sliding-window cache (``RotatingKVCache``) is the same once it is full: it
+overwrites its oldest keys in place, and its ``trim`` can no longer go back (``is_trimmable()`` is
+false); mlx-lm's speculative loop then silently keeps rejected tokens.
 
 A :class:`Journal` makes one model's cache list go back exactly:
 
 * before every forward pass through the model (``journal.forward``) it keeps the recurrent
   states as they were - by reference: mlx arrays are immutable and every mlx-lm model replaces
-  its cache slots rather than writing into them - together with the token ids of the pass;
+  its cache slots rather than writing into them - and each sliding window's keys, values and
+  positions (views taken before the pass: the window's in-place writes replace the cache's
+  arrays, not those views), together with the token ids of the pass;
 * ``journal.trim(cache, n)`` finds the newest kept state at or before the target position,
-  restores it in every recurrent layer, trims every attention cache to the same position, and
+  restores it in every recurrent and sliding-window layer, trims every other attention cache to
+  the same position, and
   re-runs the tokens between that state and the target through the model's own forward: the
   same computation a cold prefill of those tokens does, so the result equals it. With
   ``fuse=True`` (the speculative loop) the re-run is fused into the next forward pass (the
@@ -21,7 +27,7 @@ A :class:`Journal` makes one model's cache list go back exactly:
   before that (the journal is detached, ``speculative-cache-sync`` measures them). A draft model decodes one token per pass, so
   its trims land exactly on a kept state and replay nothing.
 * The whole cache list moves as a unit, or not at all: if any layer cannot reach the target
-  (no kept state that old, a sliding-window cache that already dropped the keys, a forward that
+  (no kept state that old, a plain cache that cannot drop that many keys, a forward that
   bypassed the journal), nothing is touched and the trim reports 0 - or, for callers that ignore
   the return value (mlx-lm's speculative loop), raises :class:`RollbackRefused`.
 
@@ -36,7 +42,7 @@ from typing import List, Optional
 
 from mlx_lm_patches.engine.env import ROLLBACK_SNAPSHOTS as SNAPSHOTS_ENV
 from mlx_lm_patches.mechanisms.caches import (
-    arrays, arrays_cache_class, flat_caches, int_offset, recurrent_caches, same_objects)
+    arrays, arrays_cache_class, flat_caches, int_offset, kept_caches, same_objects)
 
 DEFAULT_MAX_SNAPSHOTS = 32
 
@@ -56,8 +62,8 @@ def max_snapshots(environ=None) -> int:
 
 
 def journal_of(caches) -> Optional["Journal"]:
-    """The journal every recurrent cache in ``caches`` belongs to, if they share one."""
-    found = {id(_journals.get(c)): _journals.get(c) for c in recurrent_caches(caches)}
+    """The journal every kept cache in ``caches`` belongs to, if they share one."""
+    found = {id(_journals.get(c)): _journals.get(c) for c in kept_caches(caches)}
     if len(found) != 1:
         return None
     return next(iter(found.values()))
@@ -71,13 +77,24 @@ def journal_of_cache(cache) -> Optional["Journal"]:
 
 
 def _slots(cache):
-    """What a recurrent cache's state is made of: its slot list (copied, same container type,
-    e.g. the auto-sized slots of ``ArraysCache()``) and its batching bookkeeping."""
+    """What a kept cache's state is made of. A recurrent cache: its slot list (copied, same
+    container type, e.g. the auto-sized slots of ``ArraysCache()``) and its batching bookkeeping.
+    A sliding window: views of its keys and values (a write into the window replaces the
+    cache's arrays; these views keep the old ones) and its positions."""
+    if not isinstance(cache, arrays_cache_class()):
+        keys, values = cache.keys, cache.values
+        return (None if keys is None else keys[...], None if values is None else values[...],
+                cache.offset, cache._idx)
     slots = cache.cache
     return (type(slots)(slots), getattr(cache, "left_padding", None), getattr(cache, "lengths", None))
 
 
 def _restore(cache, saved):
+    if not isinstance(cache, arrays_cache_class()):
+        keys, values, cache.offset, cache._idx = saved
+        cache.keys = None if keys is None else keys[...]
+        cache.values = None if values is None else values[...]
+        return
     slots, left_padding, lengths = saved
     cache.cache = type(slots)(slots)
     if hasattr(cache, "left_padding"):
@@ -86,12 +103,19 @@ def _restore(cache, saved):
         cache.lengths = lengths
 
 
+def _unchanged(cache, saved) -> bool:
+    """Whether ``cache`` still holds the state ``saved`` from it after the last pass."""
+    if not isinstance(cache, arrays_cache_class()):
+        return (cache.offset, cache._idx) == saved[2:]
+    return same_objects(cache.cache, saved[0])
+
+
 class _Snapshot:
     __slots__ = ("pos", "states", "tokens")
 
     def __init__(self, pos, states, tokens):
         self.pos = pos  # tokens seen before this pass
-        self.states = states  # one _slots() tuple per recurrent cache, in order
+        self.states = states  # one _slots() tuple per kept cache, in order
         self.tokens = tokens  # mx.array [batch, T] fed in this pass
 
 
@@ -119,7 +143,7 @@ class Journal:
                 f"or draft fewer tokens"
             )
         self.caches = caches
-        self.recurrent = recurrent_caches(caches)
+        self.recurrent = kept_caches(caches)  # recurrent states and sliding windows
         self.pos = 0  # tokens the caches hold
         self._pending = None  # token ids [1, k] a trim went back over, re-run by the next pass
         self._snapshots: List[_Snapshot] = []
@@ -141,7 +165,7 @@ class Journal:
         self._snapshots.clear()
 
     def covers(self, caches) -> bool:
-        return [id(c) for c in recurrent_caches(caches)] == [id(c) for c in self.recurrent]
+        return [id(c) for c in kept_caches(caches)] == [id(c) for c in self.recurrent]
 
     @property
     def position(self) -> int:
@@ -220,7 +244,7 @@ class Journal:
 
     def _consistent(self, caches) -> bool:
         if self._after is not None:
-            if not all(same_objects(c.cache, s[0]) for c, s in zip(self.recurrent, self._after)):
+            if not all(_unchanged(c, s) for c, s in zip(self.recurrent, self._after)):
                 return False
         elif self._snapshots:
             return False
@@ -258,6 +282,8 @@ class Journal:
             keep = target - self.pos  # only tokens not re-run yet are dropped
             self._pending = self._pending[:, :keep] if keep else None
             return n
+        if self._trims_alone(caches, self.pos - target):
+            return self._trim_in_place(caches, self.pos - target)
         why = self._why_not(caches, self.pos - target)
         if why:
             self.refusal = why
@@ -269,9 +295,9 @@ class Journal:
         snap = self._snapshots[index]
         replay = self._tokens_since(index)[:, : target - snap.pos]
         back = self.pos - snap.pos
-        arrays_cache = arrays_cache_class()
+        kept = {id(c) for c in self.recurrent}
         for cache in flat_caches(caches):
-            if not isinstance(cache, arrays_cache):
+            if id(cache) not in kept:
                 cache.trim(back)
         for cache, saved in zip(self.recurrent, snap.states):
             _restore(cache, saved)
@@ -282,6 +308,31 @@ class Journal:
             self._pending = replay
             if not self.fuse:
                 self.flush()
+        return n
+
+    def _trims_alone(self, caches, n) -> bool:
+        """Whether every layer can drop its last ``n`` tokens itself: no recurrent state, and no
+        sliding window that has overwritten a key yet (as stock speculation does then)."""
+        if not self.covers(caches) or not self._consistent(caches):
+            return False
+        for cache in flat_caches(caches):
+            if isinstance(cache, arrays_cache_class()):
+                return False
+            offset = int_offset(cache)
+            full = getattr(cache, "max_size", None)
+            if offset is None or offset < n or (full is not None and offset >= full):
+                return False
+        return True
+
+    def _trim_in_place(self, caches, n) -> int:
+        for cache in flat_caches(caches):
+            cache.trim(n)
+        self.pos -= n
+        self._snapshots = [s for s in self._snapshots if s.pos < self.pos]
+        if self._snapshots:
+            last = self._snapshots[-1]
+            last.tokens = last.tokens[:, : self.pos - last.pos]
+        self._after = [_slots(c) for c in self.recurrent]
         return n
 
     def _tokens_since(self, index):
@@ -303,9 +354,9 @@ class Journal:
             )
         snap = max((s for s in self._snapshots if s.pos <= target), key=lambda s: s.pos)
         back = self.pos - snap.pos
-        arrays_cache = arrays_cache_class()
+        kept = {id(c) for c in self.recurrent}
         for cache in flat_caches(caches):
-            if isinstance(cache, arrays_cache):
+            if id(cache) in kept:
                 continue
             offset = int_offset(cache)
             if offset is None or not cache.is_trimmable() or offset < back:

@@ -10,11 +10,19 @@ Bug
       ``mlx_lm.generate --draft-model`` too).
     * >= 0.31.2: refused: ``ValueError: Speculative decoding requires a trimmable prompt cache``.
     The published fix (PR #1254) resets the state to zero on trim: every later token changes.
+    A sliding-window layer's ``RotatingKVCache`` is the same once the context passes its window:
+    it overwrites its oldest keys in place and is no longer trimmable, but the gate of >= 0.31.2
+    looks before the prompt is in (an empty window is trimmable), and ``trim_prompt_cache``
+    then trims nothing: speculation with any model that has sliding-window layers (K-EXAONE,
+    MiMo-V2-Flash, Step-3.5, Gemma-style, RecurrentGemma, Baichuan-M1, ...) is silently wrong
+    past the window, in every release; with an MTP head too.
 
 Fix
-    Inside ``speculative_generate_step`` only, each model that has recurrent caches runs through
-    a :class:`~mlx_lm_patches.mechanisms.journal.Journal`: before each forward pass the recurrent states
-    are kept by reference, and a trim restores the newest kept state at or before the target,
+    Inside ``speculative_generate_step`` only, each model that has recurrent caches or sliding
+    windows runs through a :class:`~mlx_lm_patches.mechanisms.journal.Journal`: before each
+    forward pass the recurrent states are kept by reference (and each window's keys, values and
+    positions as views the window's in-place writes do not reach), and a trim restores the
+    newest kept state at or before the target,
     trims the attention caches to the same position and re-runs the accepted tokens through the
     model's own forward (what a cold prefill computes). Draft passes are one token long, so draft
     trims only restore. While the journal is attached, ``ArraysCache.is_trimmable()`` is true
@@ -22,7 +30,9 @@ Fix
     ``trim_prompt_cache`` on its cache list goes through the journal: all layers move together or
     none does, and a trim it cannot do exactly raises ``RollbackRefused`` rather than being
     ignored. Outside that (a bare ``ArraysCache``, caches after the generator ends) nothing is
-    trimmable, as in stock mlx-lm: never a reset. The loop itself stays mlx-lm's. Kept states
+    trimmable, as in stock mlx-lm: never a reset. A model with sliding windows and no recurrent
+    state trims its caches in place, as stock does, while no window has overwritten a key yet;
+    after that (``RotatingKVCache.is_trimmable()`` is true while journaled) by restore and replay. The loop itself stays mlx-lm's. Kept states
     are bounded by ``num_draft_tokens + 1`` tokens and ``MLX_LM_PATCHES_ROLLBACK_SNAPSHOTS``.
     Cost: nothing on a fully accepted round; after a rejection the accepted tokens are re-run
     in front of the next verify pass (a longer pass, no extra model call).
@@ -60,6 +70,13 @@ def _is_trimmable(self):
     return journal_of_cache(self) is not None
 
 
+def _window_trimmable(wrapped, instance, args, kwargs):
+    """A sliding window whose cache list is journaled goes back through the journal."""
+    from mlx_lm_patches.mechanisms.journal import journal_of_cache
+
+    return journal_of_cache(instance) is not None or wrapped(*args, **kwargs)
+
+
 def _trim(self, n):
     """A recurrent layer cannot go back alone: a cache list goes back as a unit through
     ``trim_prompt_cache``. Alone, trimming is refused (0) - never a reset."""
@@ -93,13 +110,13 @@ class _JournaledModel:
 
     def __init__(self, model, caches, window, supplied=False, fuse=True):
         from mlx_lm_patches.mechanisms.journal import Journal
-        from mlx_lm_patches.mechanisms.caches import has_recurrent_state
+        from mlx_lm_patches.mechanisms.caches import kept_caches
 
         self._model = model
         self._caches = caches
         self.caller_caches = caches if supplied else None
         self.journal = (Journal(model, caches, window, strict=True, fuse=fuse)
-                        if has_recurrent_state(caches) else None)
+                        if kept_caches(caches) else None)
 
     def make_cache(self):
         return self._caches
@@ -116,7 +133,7 @@ class _JournaledModel:
 def _speculative_with_rollback(wrapped, instance, args, kwargs):
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlx_lm_patches.mechanisms.caches import has_recurrent_state
+    from mlx_lm_patches.mechanisms.caches import kept_caches
     from mlx_lm_patches.mechanisms.speculative import caller_parts
     from mlx_lm_patches.mechanisms.calls import bind_arguments
 
@@ -125,7 +142,7 @@ def _speculative_with_rollback(wrapped, instance, args, kwargs):
     parts = caller_parts(model, draft_model, bound.arguments.get("prompt_cache"))
     supplied = parts is not None
     main, draft = parts if supplied else (make_prompt_cache(model), make_prompt_cache(draft_model))
-    if not (has_recurrent_state(main) or has_recurrent_state(draft)):
+    if not (kept_caches(main) or kept_caches(draft)):
         return wrapped(*args, **kwargs)
     window = int(bound.arguments.get("num_draft_tokens") or 2) + 1
     fuse = not getattr(draft_model, "reads_main_model", False)
@@ -166,6 +183,7 @@ def apply(p):
     if isinstance(current_nbytes, property):
         p.set(f"{CACHE}:ArraysCache.nbytes", property_over(current_nbytes, _plus_journal))
     p.wrap(f"{CACHE}:trim_prompt_cache", _trim_prompt_cache)
+    p.wrap(f"{CACHE}:RotatingKVCache.is_trimmable", _window_trimmable)
     # 0.32.x generate.py imports trim_prompt_cache by name; older releases call cache.trim_prompt_cache.
     if "trim_prompt_cache" in vars(sys.modules.get(GENERATE) or object):
         p.wrap(f"{GENERATE}:trim_prompt_cache", _trim_prompt_cache)
