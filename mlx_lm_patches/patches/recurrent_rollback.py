@@ -191,7 +191,8 @@ def apply(p):
 
 
 def scenario():
-    """Hybrid main models speculating with a rejecting hybrid draft and a dense draft."""
+    """Hybrid main models speculating with a rejecting hybrid draft and a dense draft; a
+    sliding-window model past its window."""
     from mlx_lm_patches.demos.scenarios import greedy, prompt_tokens, speculative_greedy
     from mlx_lm_patches.demos.tiny_models import available_model_types, build_tiny_model
 
@@ -212,4 +213,29 @@ def scenario():
             if problem:
                 return Outcome.failure(f"{model_type} with a {label}: {problem}")
             details.append(f"{model_type}, {label}: equal to greedy decoding")
-    return Outcome(True, "hybrid speculative decoding exact (rejected drafts rolled back)", details)
+    problem = _past_a_window(details)
+    if problem:
+        return Outcome.failure(problem)
+    return Outcome(True, "hybrid and sliding-window speculative decoding exact (rejected drafts rolled back)",
+                   details)
+
+
+def _past_a_window(details):
+    """A sliding-window model (exaone_moe, window 6) speculating past its window with a dense
+    draft; what went wrong, or None (the detail is added)."""
+    from mlx_lm_patches.demos.scenarios import greedy, prompt_tokens, speculative_greedy
+    from mlx_lm_patches.demos.tiny_models import _module_exists, build_tiny_model
+
+    if not _module_exists("exaone_moe"):
+        return None
+    model = build_tiny_model("exaone_moe", seed=1, overrides={"sliding_window": 6})
+    prompt = prompt_tokens(13, seed=3)
+    try:
+        got = speculative_greedy(model, build_tiny_model("llama", seed=2), prompt, max_tokens=10, num_draft_tokens=3)
+    except Exception as exc:
+        return f"exaone_moe (window 6) with a dense draft: {type(exc).__name__}: {exc}"
+    problem = greedy(model, prompt, max_tokens=10).compare(got)
+    if problem:
+        return f"exaone_moe past its sliding window (6) with a dense draft: {problem}"
+    details.append("exaone_moe past its sliding window (6), dense draft: equal to greedy decoding")
+    return None
