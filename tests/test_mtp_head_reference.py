@@ -17,7 +17,7 @@ from mlx_lm_patches.demos.mtp_checkpoints import MTP_MODEL_TYPES, write_mtp_chec
 mlx_lm_patches.apply()
 
 FAMILIES = [f for f in ("qwen3_next", "qwen3_5", "qwen3_5_moe", "nemotron_h", "deepseek_v3", "deepseek_v32", "glm4_moe",
-                        "glm4_moe_lite", "mimo", "ernie4_5_moe", "exaone_moe")
+                        "glm4_moe_lite", "mimo", "ernie4_5_moe", "exaone_moe", "mimo_v2_flash")
             if importlib.util.find_spec(f"mlx_lm.models.{f}") is not None]
 EXTRA_LAYER = ("deepseek_v3", "deepseek_v32", "glm4_moe", "glm4_moe_lite", "mimo")  # the head: one more decoder layer
 
@@ -62,6 +62,18 @@ def _one_step_model(model, config, head, fused):
         blocks.update({f"layers.1.{k}": (mx.zeros_like(v) if k.endswith(("o_proj.weight", "down_proj.weight")) else v)
                        for k, v in layer.items()})
         final_norm = head.norm.weight
+        main_head = model.lm_head
+    elif model.model_type == "mimo_v2_flash":
+        # the head's (dense, sliding) layer first; a second, full-attention layer that adds nothing
+        # (zero output projections): the family's model needs one of each kind
+        config.update(num_hidden_layers=2, hybrid_layer_pattern=[1, 0], moe_layer_freq=[0, 0])
+        prefix, embed, norm, lm_head = "model.", "model.embed_tokens.weight", "model.norm.weight", "lm_head"
+        layer = dict(tree_flatten(head.layers[0].parameters()))
+        blocks = {f"layers.0.{k}": v for k, v in layer.items()}
+        second = dict(tree_flatten(model.model.layers[0].parameters()))  # the backbone's dense full-attention layer
+        blocks.update({f"layers.1.{k}": (mx.zeros_like(v) if k.endswith(("o_proj.weight", "down_proj.weight")) else v)
+                       for k, v in second.items()})
+        final_norm = head.final_layernorm.weight
         main_head = model.lm_head
     elif model.model_type in EXTRA_LAYER:
         config["num_hidden_layers"], config["first_k_dense_replace"] = 1, 0  # the head's (MoE) layer
@@ -133,6 +145,10 @@ def test_mtp_forward_is_the_documented_head(tmp_path, family):
         embedding_norm, hidden_norm, projection = head.mtp_emb_norm, head.mtp_hidden_norm, head.mtp_linear_proj
         embedded = model.model.embed_tokens(next_ids)
     elif family in EXTRA_LAYER:
+        head = model.mtp
+        embedding_norm, hidden_norm, projection = head.enorm, head.hnorm, head.eh_proj
+        embedded = model.model.embed_tokens(next_ids)
+    elif family == "mimo_v2_flash":  # eh_proj(concat[enorm(e), hnorm(h)])
         head = model.mtp
         embedding_norm, hidden_norm, projection = head.enorm, head.hnorm, head.eh_proj
         embedded = model.model.embed_tokens(next_ids)

@@ -31,10 +31,11 @@ from conftest import run_python, xfail_if_affected
 from mlx_lm_patches.demos.mtp_checkpoints import (DEEPSEEK_LAYOUT, MTP_MODEL_TYPES, check_loaded,
                                                   hf_layout_unreadable, write_mtp_checkpoint)
 from mlx_lm_patches.demos.scenarios import greedy, prompt_tokens
+from mlx_lm_patches.demos.tiny_models import build_tiny_model
 
 mlx_lm_patches.apply()
 
-FAMILIES = [f for f in DEEPSEEK_LAYOUT + ("mimo", "ernie4_5_moe", "exaone_moe")
+FAMILIES = [f for f in DEEPSEEK_LAYOUT + ("mimo", "ernie4_5_moe", "exaone_moe", "mimo_v2_flash")
             if importlib.util.find_spec(f"mlx_lm.models.{f}") is not None]
 pytestmark = pytest.mark.skipif(not FAMILIES, reason="this mlx-lm has none of these families")
 
@@ -68,6 +69,9 @@ def test_the_head_is_kept_exactly(written, family, form):
         assert model.mtp_status.endswith("from the checkpoint's model.mtp_layers"), model.mtp_status
     elif form == "hf" and family == "ernie4_5_moe":
         assert model.mtp_status.endswith("from the checkpoint's model.mtp_* tensors"), model.mtp_status
+    elif form == "hf" and family == "mimo_v2_flash":  # model.mtp.layers.{0,1,2}: the first is kept
+        assert model.mtp_status.startswith("MTP head kept: 1 layer(s) (the first of the checkpoint's 3; the "
+                                           "others are not used)"), model.mtp_status
     elif form == "hf" and family != "exaone_moe":  # (exaone_moe's head: mtp.* keys, both forms)
         assert "from the checkpoint's layer model.layers.3; embedding and output head shared with the model " \
                "(the checkpoint's 2 copies of them not loaded)" in model.mtp_status, model.mtp_status
@@ -124,6 +128,8 @@ def _derivable(model):
     elif model.model_type == "exaone_moe":  # fc(concat[pre_fc_norm_embedding(e), pre_fc_norm_hidden(h)]), norm
         projection, norms, hidden_first = head.fc, (head.pre_fc_norm_embedding, head.pre_fc_norm_hidden,
                                                     head.norm), False
+    elif model.model_type == "mimo_v2_flash":  # eh_proj(concat[enorm(e), hnorm(h)]), final_layernorm
+        projection, norms, hidden_first = head.eh_proj, (head.enorm, head.hnorm, head.final_layernorm), False
     else:  # eh_proj(concat[enorm(e), hnorm(h)]), then shared_head.norm
         projection, norms, hidden_first = head.eh_proj, (head.enorm, head.hnorm, head.shared_head.norm), False
     halves = [mx.eye(hidden), mx.zeros((hidden, hidden))]  # [hidden | embedding]
@@ -181,3 +187,38 @@ def test_a_sliding_window_exaone_mtp_layer_is_kept_and_speculation_stays_greedy(
     steps = list(speculative_generate_step(mx.array(prompt), model, model.make_draft_model(),
                                            num_draft_tokens=2, max_tokens=10))
     assert [int(t) for t, _, _ in steps] == greedy(model, prompt, max_tokens=10).tokens
+
+
+@pytest.mark.skipif("mimo_v2_flash" not in FAMILIES, reason="this mlx-lm has no mimo_v2_flash")
+def test_an_fp8_mimo_v2_head_is_dequantized_as_the_release_dequantizes_the_backbone(tmp_path):
+    """MiMo-V2-Flash checkpoints are fp8 (``weight`` plus a block ``weight_scale_inv``), MTP
+    tensors included. Stock ``sanitize`` dequantizes every such pair, then drops the head: the
+    head's pairs go through that same code (as backbone layer 0), so the kept head holds exactly
+    what the release makes of them."""
+    import inspect
+
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.models import mimo_v2_flash
+
+    if "weight_scale_inv" not in inspect.getsource(mimo_v2_flash.Model.sanitize):
+        pytest.skip("this release's mimo_v2_flash sanitize reads no fp8 tensors")
+    if not hasattr(mx, "from_fp8"):
+        pytest.skip("this mlx has no fp8 conversion (the release's own sanitize cannot read fp8 either)")
+    written = write_mtp_checkpoint(tmp_path, "mimo_v2_flash", form="hf", dtype="float32")
+    (path,) = written.folder.glob("model*.safetensors")
+    tensors = mx.load(str(path))
+    fp8 = {}
+    for key in ("model.mtp.layers.0.eh_proj.weight", "model.mtp.layers.0.self_attn.q_proj.weight"):
+        stored = mx.to_fp8(tensors[key] * 4.0)
+        scale = mx.full(((tensors[key].shape[0] + 127) // 128, (tensors[key].shape[1] + 127) // 128), 0.25)
+        tensors[key], tensors[key.replace(".weight", ".weight_scale_inv")] = stored, scale
+        fp8[key] = (stored, scale)
+    mx.save_safetensors(str(path), tensors, metadata={"format": "mlx"})
+    model = load(str(written.folder))[0]
+    assert model.mtp is not None, model.mtp_status
+    stock = build_tiny_model("mimo_v2_flash", seed=0)
+    for key, (stored, scale) in fp8.items():
+        expected = stock.sanitize({"model.layers.0.x.weight": stored, "model.layers.0.x.weight_scale_inv": scale})
+        got = model.mtp.eh_proj.weight if "eh_proj" in key else model.mtp.layers[0].self_attn.q_proj.weight
+        assert mx.array_equal(got, expected["model.layers.0.x.weight"].astype(got.dtype)).item(), key

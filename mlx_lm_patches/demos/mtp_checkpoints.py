@@ -157,11 +157,12 @@ def _to_hf(family, params, *, shift_suffixes=QWEN_NORM_SUFFIXES, shift_all_norms
     return out
 
 
+MIMO_V2_LAYERS = 3  # MTP layers in a MiMo-V2-Flash checkpoint (the first is kept)
 DEEPSEEK_LAYOUT = ("deepseek_v3", "deepseek_v32", "glm4_moe", "glm4_moe_lite")  # the head is layer num_hidden_layers
 # Every family whose tiny checkpoints get an MTP head here (the order: representatives of a cache
 # layout first, see tests/support/sweeps.py)
 MTP_MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "nemotron_h", "deepseek_v3", "deepseek_v32",
-                   "glm4_moe", "glm4_moe_lite", "mimo", "ernie4_5_moe", "exaone_moe")
+                   "glm4_moe", "glm4_moe_lite", "mimo", "ernie4_5_moe", "exaone_moe", "mimo_v2_flash")
 
 
 def _deepseek_to_hf(params):
@@ -279,6 +280,14 @@ def write_mtp_checkpoint(root, family, *, form="mlx", quantized=False, placement
         weights = {k.replace(".mlp.gate.e_score_correction_bias", ".mlp.e_score_correction_bias"): v
                    for k, v in _deepseek_to_hf(backbone).items()}
         mtp = {f"mtp.{k}": v for k, v in head_params.items()}
+    elif form == "hf" and family == "mimo_v2_flash":  # model.mtp.layers.{i}: fusion, layer and final norm in one
+        weights = _deepseek_to_hf(backbone)  # (per-expert tensors, as the checkpoints store them)
+        mtp = {}
+        for i in range(MIMO_V2_LAYERS):  # the checkpoints ship 3; the first is kept
+            layer = head_params if i == 0 else _random_like(head_params, seed=2000 + i)
+            for k, v in layer.items():
+                k = k[len("layers.0."):] if k.startswith("layers.0.") else k
+                mtp[f"model.mtp.layers.{i}.{k.replace('post_attention_layernorm.', 'pre_mlp_layernorm.')}"] = v
     elif form == "hf" and family in DEEPSEEK_LAYOUT:  # the head is the layer after the last
         weights = _deepseek_to_hf(backbone)
         mtp = _deepseek_head_to_hf(head_params, backbone, config["num_hidden_layers"])
@@ -299,7 +308,8 @@ def write_mtp_checkpoint(root, family, *, form="mlx", quantized=False, placement
     else:
         weights = dict(weights, **mtp)
     # An empty module plus every tensor as extra_tensors lets any key layout through.
-    write_model_folder(folder, nn.Module(), _declare(config, family, 1) if declare else config,
+    shipped = MIMO_V2_LAYERS if (form == "hf" and family == "mimo_v2_flash") else 1
+    write_model_folder(folder, nn.Module(), _declare(config, family, shipped) if declare else config,
                        vocab_size=_vocab(config), dtype=dtype, extra_tensors=weights,
                        extra_files=extra_files)
     return Written(folder, family, backbone, head_params)

@@ -826,6 +826,25 @@ def _cfg_exaone_moe() -> Dict[str, Any]:
             "mtp_layer_types": ["full_attention"]}
 
 
+def _cfg_mimo_v2_flash() -> Dict[str, Any]:
+    # MiMo-V2-Flash's layout: a full-attention layer, then sliding-window ones with attention
+    # sinks (their own head counts and dims, partial RoPE with their own base), MoE after the
+    # first layer, value heads narrower than query/key heads. The window is wider than any
+    # sequence here unless a test narrows it
+    return {"model_type": "mimo_v2_flash", "vocab_size": _VOCAB, "hidden_size": _HIDDEN,
+            "intermediate_size": _FFN, "moe_intermediate_size": 32, "num_hidden_layers": 3,
+            "num_attention_heads": _HEADS, "num_key_value_heads": _KV_HEADS, "head_dim": _HEAD_DIM,
+            "v_head_dim": 8, "swa_num_attention_heads": _HEADS, "swa_num_key_value_heads": _KV_HEADS,
+            "swa_head_dim": _HEAD_DIM, "swa_v_head_dim": 8, "hybrid_layer_pattern": [0, 1, 1],
+            "moe_layer_freq": [0, 1, 1], "add_swa_attention_sink_bias": True,
+            "add_full_attention_sink_bias": False, "sliding_window_size": 512, "num_experts_per_tok": 2,
+            "n_routed_experts": 4, "n_shared_experts": None, "routed_scaling_factor": 1.0,
+            "topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": True, "n_group": 1,
+            "topk_group": 1, "max_position_embeddings": _MAX_POS, "layernorm_epsilon": 1e-5,
+            "rope_theta": 1000000.0, "swa_rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+            "attention_value_scale": 0.707, "tie_word_embeddings": False}
+
+
 def _cfg_mimo() -> Dict[str, Any]:
     return dict(_cfg_llama(), model_type="mimo", num_nextn_predict_layers=1)
 
@@ -863,6 +882,7 @@ _CONFIGS: Dict[str, Callable[[], Dict[str, Any]]] = {
     "mimo": _cfg_mimo,
     "ernie4_5_moe": _cfg_ernie4_5_moe,
     "exaone_moe": _cfg_exaone_moe,
+    "mimo_v2_flash": _cfg_mimo_v2_flash,
 }
 
 

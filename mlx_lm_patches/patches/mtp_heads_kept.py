@@ -1,7 +1,8 @@
 """Checkpoints with multi-token-prediction (MTP) tensors load, with the backbone intact and the
 MTP head kept (Qwen3-Next, Qwen3.5/3.6 dense and MoE, Nemotron-H; DeepSeek-V3, DeepSeek-V3.2,
 GLM-4.5/4.6/4.7 and GLM-4.7-Flash, whose head is the layer after the backbone's last; MiMo's
-``mtp_layers``; ERNIE 4.5 MoE's ``mtp_block``; K-EXAONE's ``mtp.*``).
+``mtp_layers``; ERNIE 4.5 MoE's ``mtp_block``; K-EXAONE's ``mtp.*``; MiMo-V2-Flash's
+``model.mtp.layers.0``).
 
 Bug
     mlx-lm has no module for the MTP head that Qwen3-Next, Qwen3.5/3.6 and Nemotron-H
@@ -17,7 +18,8 @@ Bug
       depth - so a checkpoint of the architecture with another depth that ships its MTP layer
       fails the same way (deepseek_v32 too up to 0.30.6; later releases drop every layer past
       the backbone's); glm4_moe and glm4_moe_lite drop the layer, mimo its ``mtp_layers``,
-      ernie4_5_moe its ``mtp_*`` tensors, exaone_moe its ``mtp.*`` ones.
+      ernie4_5_moe its ``mtp_*`` tensors, exaone_moe its ``mtp.*`` ones,
+      mimo_v2_flash its ``model.mtp.*`` ones.
     * everywhere else the head is dropped without a word; an ``mtp.safetensors`` sidecar is
       never read.
 
@@ -68,6 +70,8 @@ def _sanitize_without_mtp(wrapped, instance, args, kwargs):
     weights = args[0] if args else kwargs.pop("weights")
     backbone, mtp = split(weights)
     family = family_of(instance)
+    if hasattr(family, "sanitize_head") and mtp:  # the release's own conversion (e.g. fp8) for the head too
+        mtp = family.sanitize_head(instance, mtp, lambda w: wrapped(w, *args[1:], **kwargs))
     if hasattr(family, "split_checkpoint"):  # the head is a layer past the backbone's last
         backbone, layer = family.split_checkpoint(instance, backbone, lambda w: wrapped(w, *args[1:], **kwargs))
         if layer:

@@ -547,11 +547,93 @@ class Exaone(_ExtraLayerHead):
         return head.norm
 
 
+class MiMoV2(_ExtraLayerHead):
+    """MiMo-V2-Flash (mimo_v2_flash): ``model.mtp.layers.{i}``, each ``enorm``, ``hnorm``,
+    ``eh_proj`` (the normalized embedding first), a decoder layer of the family and
+    ``final_layernorm`` before the shared output head. The layer attends over a sliding window
+    (the ``swa_*`` head counts and dims, RoPE with ``swa_rope_theta``, attention sinks where
+    ``add_swa_attention_sink_bias``) and has a dense MLP (``intermediate_size``); its
+    ``pre_mlp_layernorm`` is mlx-lm's ``post_attention_layernorm``. Followed: vLLM's
+    ``mimo_v2_mtp.py`` (the tensor names, the order of the halves, the main model's final normed
+    hidden state as input, the shared embedding and output head, a sliding dense layer) and
+    SGLang's ``mimo_v2_flash_nextn.py`` (the same layer, the norm's name in mlx-lm terms).
+    Checkpoints ship three MTP layers; the first one is kept (vLLM drafts with it alone; how the
+    others would chain is not described publicly). fp8 tensors (``weight_scale_inv``) are
+    dequantized by the release's own ``sanitize``, as the backbone's are."""
+
+    names = ("mimo_v2_flash",)
+    _LAYER_KEY = re.compile(r"^(.*\bmtp\.)layers\.(\d+)\.(.+)$")
+    _TOP = ("enorm.", "hnorm.", "eh_proj.", "final_layernorm.")
+
+    def sanitize_head(self, model, tensors, stock_sanitize):
+        """The head's tensors through the release's own ``sanitize`` as backbone layer ``i``
+        (its fp8 dequantization), then back under their names."""
+        renamed, prefixes, rest = {}, {}, {}
+        for key, value in tensors.items():
+            match = self._LAYER_KEY.match(key)
+            if match is None:
+                rest[key] = value
+                continue
+            prefix, index, tail = match.groups()
+            prefixes[index] = prefix
+            renamed[f"model.layers.{index}.{tail}"] = value
+        for key, value in stock_sanitize(renamed).items():
+            match = re.match(r"^model\.layers\.(\d+)\.(.+)$", key)
+            if match and match.group(1) in prefixes:
+                rest[f"{prefixes[match.group(1)]}layers.{match.group(1)}.{match.group(2)}"] = value
+        return rest
+
+    def status_note(self, tensors):
+        layers = {m.group(2) for k in tensors for m in [self._LAYER_KEY.match(k)] if m}
+        if len(layers) > 1:
+            return f"the first of the checkpoint's {len(layers)}; the others are not used"
+        return None
+
+    def build(self, model, config, weights, n_layers):
+        import mlx.nn as nn
+
+        from mlx_lm.models.mimo_v2_flash import DecoderLayer
+
+        self._one_layer(n_layers, "MiMo-V2-Flash")
+        args = model.args
+        hidden, eps = args.hidden_size, args.layernorm_epsilon
+        head = nn.Module()
+        head.enorm = nn.RMSNorm(hidden, eps=eps)
+        head.hnorm = nn.RMSNorm(hidden, eps=eps)
+        head.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
+        head.layers = [DecoderLayer(args, is_moe=False, is_sliding_window=True)]
+        head.final_layernorm = nn.RMSNorm(hidden, eps=eps)
+        head.__dict__[SLIDING_WINDOW] = args.sliding_window_size
+        return head
+
+    def convert(self, tensors, mlx_layout=False):
+        """Checkpoint names (``layers.0.enorm``, ``layers.0.pre_mlp_layernorm``, ...) to the head's;
+        the MTP layers after the first are left out."""
+        out = {}
+        for key, value in tensors.items():
+            match = re.match(r"^layers\.(\d+)\.(.+)$", key)
+            if match is None:
+                out[key] = value
+            elif match.group(1) == "0":
+                tail = match.group(2)
+                if tail.startswith(self._TOP):
+                    out[tail] = value
+                else:
+                    out[f"layers.0.{tail.replace('pre_mlp_layernorm.', 'post_attention_layernorm.')}"] = value
+        return out
+
+    def fusion(self, head):
+        return head.enorm, head.hnorm, head.eh_proj
+
+    def head_norm(self, head):
+        return head.final_layernorm
+
+
 def _identity(x):
     return x
 
 
-FAMILIES = {name: family for family in (Qwen(), NemotronH(), DeepSeekV3(), MiMo(), Ernie(), Exaone())
+FAMILIES = {name: family for family in (Qwen(), NemotronH(), DeepSeekV3(), MiMo(), Ernie(), Exaone(), MiMoV2())
             for name in family.names}
 
 

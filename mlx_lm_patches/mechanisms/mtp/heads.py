@@ -216,8 +216,10 @@ def attach(model, model_path, config, lazy=False) -> None:
         return
     if not lazy:
         mx.eval(head.parameters())
+    note = getattr(family_of(model), "status_note", lambda _: None)(tensors)
     model.__dict__["mtp"] = head
-    model.__dict__["mtp_status"] = (f"MTP head kept: {len(head.layers)} layer(s), {len(weights)} tensors, "
+    model.__dict__["mtp_status"] = (f"MTP head kept: {len(head.layers)} layer(s)"
+                                    + (f" ({note})" if note else "") + f", {len(weights)} tensors, "
                                     f"from {' and '.join(sources)}"
                                     + (f"; embedding and output head shared with the model (the checkpoint's "
                                        f"{len(shared)} copies of them not loaded)" if shared else ""))
