@@ -36,7 +36,8 @@ CASES = ([(f, how) for f in FAMILIES for how in ("fp", "q4", "mixed_3_6")]
          # DeepSeek-V3 layout (the head is the layer after the last) and MiMo: one case per family
          + [(f, how) for f, how in (("deepseek_v3", "q4"), ("deepseek_v32", "q4"), ("glm4_moe", "q4"),
                                     ("glm4_moe_lite", "fp"), ("mimo", "q4"), ("ernie4_5_moe", "q4"),
-                                    ("exaone_moe", "q4"), ("mimo_v2_flash", "q4"))
+                                    ("exaone_moe", "q4"), ("mimo_v2_flash", "q4"),
+                                    ("step3p5", "q4"))
             if importlib.util.find_spec(f"mlx_lm.models.{f}") is not None])
 
 
@@ -183,6 +184,10 @@ SAME_KIND = {
     "mimo_v2_flash": [("model.layers.2.self_attn.q_proj", "layers.0.self_attn.q_proj"),
                       ("model.layers.2.self_attn.o_proj", "layers.0.self_attn.o_proj"),
                       ("model.layers.0.mlp.gate_proj", "layers.0.mlp.gate_proj")],
+    # the head's layer slides (as backbone layer 1 does) and has a dense MLP (as layer 0)
+    "step3p5": [("model.layers.1.self_attn.q_proj", "layers.0.self_attn.q_proj"),
+                ("model.layers.1.self_attn.g_proj", "layers.0.self_attn.g_proj"),
+                ("model.layers.0.mlp.gate_proj", "layers.0.mlp.gate_proj")],
     "mimo": [("model.layers.{i}.self_attn.q_proj", "layers.0.self_attn.q_proj"),
              ("model.layers.{i}.self_attn.o_proj", "layers.0.self_attn.o_proj"),
              ("model.layers.{i}.mlp.gate_proj", "layers.0.mlp.gate_proj")],

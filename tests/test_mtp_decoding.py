@@ -13,12 +13,14 @@ import pytest
 import mlx_lm_patches
 from mlx_lm_patches.demos.scenarios import LOGPROB_TOLERANCE, Decoded, prompt_tokens, speculative_greedy
 from mlx_lm_patches.demos.mtp_checkpoints import MTP_MODEL_TYPES, write_mtp_checkpoint
+from mlx_lm_patches.mechanisms.mtp.families import family_of
 from support.references import greedy_of
 
 mlx_lm_patches.apply()
 
 FAMILIES = [f for f in ("qwen3_next", "qwen3_5", "qwen3_5_moe", "nemotron_h", "deepseek_v3", "deepseek_v32", "glm4_moe",
-                        "glm4_moe_lite", "mimo", "ernie4_5_moe", "exaone_moe", "mimo_v2_flash")
+                        "glm4_moe_lite", "mimo", "ernie4_5_moe", "exaone_moe", "mimo_v2_flash",
+                        "step3p5")
             if importlib.util.find_spec(f"mlx_lm.models.{f}") is not None]
 
 
@@ -101,8 +103,9 @@ def test_draft_proposals_are_the_heads_predictions_at_the_committed_position(loa
     assert len(proposals) >= 3
     assert any(from_draft for _, _, from_draft in steps) == hinted
     model(mx.array(sequence)[None])  # cold forward: the capture records every position
-    post = model.hidden_states()["post"]
-    logits, _ = mtp_forward(model, post[:, :-1], mx.array(sequence[1:])[None], model.make_mtp_cache())
+    kind = getattr(family_of(model), "HIDDEN", "post")  # the hidden state the draft reads by default
+    hidden = model.hidden_states()[kind]
+    logits, _ = mtp_forward(model, hidden[:, :-1], mx.array(sequence[1:])[None], model.make_mtp_cache())
     checked = [(c, row) for c, row in proposals if c < len(sequence)]  # x_C must be in the sequence
     assert len(checked) >= 3
     for committed, row in checked:

@@ -17,7 +17,7 @@ from mlx_lm_patches.demos.mtp_checkpoints import MTP_MODEL_TYPES, write_mtp_chec
 mlx_lm_patches.apply()
 
 FAMILIES = [f for f in ("qwen3_next", "qwen3_5", "qwen3_5_moe", "nemotron_h", "deepseek_v3", "deepseek_v32", "glm4_moe",
-                        "glm4_moe_lite", "mimo", "ernie4_5_moe", "exaone_moe", "mimo_v2_flash")
+                        "glm4_moe_lite", "mimo", "ernie4_5_moe", "exaone_moe", "mimo_v2_flash", "step3p5")
             if importlib.util.find_spec(f"mlx_lm.models.{f}") is not None]
 EXTRA_LAYER = ("deepseek_v3", "deepseek_v32", "glm4_moe", "glm4_moe_lite", "mimo")  # the head: one more decoder layer
 
@@ -63,6 +63,17 @@ def _one_step_model(model, config, head, fused):
                        for k, v in layer.items()})
         final_norm = head.norm.weight
         main_head = model.lm_head
+    elif model.model_type == "step3p5":
+        # one layer of the MTP layer's kind and rotary factor (index num_hidden_layers of the
+        # per-layer lists), dense; the head's own norm and output head
+        depth = config["num_hidden_layers"]
+        config.update(num_hidden_layers=1, layer_types=[config["layer_types"][depth]],
+                      partial_rotary_factors=[config["partial_rotary_factors"][depth]], moe_layers_enum=None)
+        config.pop("num_nextn_predict_layers", None)
+        prefix, embed, norm, lm_head = "model.", "model.embed_tokens.weight", "model.norm.weight", "lm_head"
+        blocks = {f"layers.0.{k}": v for k, v in tree_flatten(head.layers[0].parameters())}
+        final_norm = head.shared_head.norm.weight
+        main_head = head.shared_head.output
     elif model.model_type == "mimo_v2_flash":
         # the head's (dense, sliding) layer first; a second, full-attention layer that adds nothing
         # (zero output projections): the family's model needs one of each kind
@@ -148,7 +159,7 @@ def test_mtp_forward_is_the_documented_head(tmp_path, family):
         head = model.mtp
         embedding_norm, hidden_norm, projection = head.enorm, head.hnorm, head.eh_proj
         embedded = model.model.embed_tokens(next_ids)
-    elif family == "mimo_v2_flash":  # eh_proj(concat[enorm(e), hnorm(h)])
+    elif family in ("mimo_v2_flash", "step3p5"):  # eh_proj(concat[enorm(e), hnorm(h)])
         head = model.mtp
         embedding_norm, hidden_norm, projection = head.enorm, head.hnorm, head.eh_proj
         embedded = model.model.embed_tokens(next_ids)

@@ -35,7 +35,7 @@ from mlx_lm_patches.demos.tiny_models import build_tiny_model
 
 mlx_lm_patches.apply()
 
-FAMILIES = [f for f in DEEPSEEK_LAYOUT + ("mimo", "ernie4_5_moe", "exaone_moe", "mimo_v2_flash")
+FAMILIES = [f for f in DEEPSEEK_LAYOUT + ("mimo", "ernie4_5_moe", "exaone_moe", "mimo_v2_flash", "step3p5")
             if importlib.util.find_spec(f"mlx_lm.models.{f}") is not None]
 pytestmark = pytest.mark.skipif(not FAMILIES, reason="this mlx-lm has none of these families")
 
@@ -72,6 +72,10 @@ def test_the_head_is_kept_exactly(written, family, form):
     elif form == "hf" and family == "mimo_v2_flash":  # model.mtp.layers.{0,1,2}: the first is kept
         assert model.mtp_status.startswith("MTP head kept: 1 layer(s) (the first of the checkpoint's 3; the "
                                            "others are not used)"), model.mtp_status
+    elif form == "hf" and family == "step3p5":  # model.layers.{3,4}: the first is kept, with its own output head
+        assert model.mtp_status.startswith("MTP head kept: 1 layer(s) (the first of the checkpoint's 2; the "
+                                           "others are not used)"), model.mtp_status
+        assert model.mtp_status.endswith("from the checkpoint's layer model.layers.3"), model.mtp_status
     elif form == "hf" and family != "exaone_moe":  # (exaone_moe's head: mtp.* keys, both forms)
         assert "from the checkpoint's layer model.layers.3; embedding and output head shared with the model " \
                "(the checkpoint's 2 copies of them not loaded)" in model.mtp_status, model.mtp_status
@@ -128,6 +132,12 @@ def _derivable(model):
     elif model.model_type == "exaone_moe":  # fc(concat[pre_fc_norm_embedding(e), pre_fc_norm_hidden(h)]), norm
         projection, norms, hidden_first = head.fc, (head.pre_fc_norm_embedding, head.pre_fc_norm_hidden,
                                                     head.norm), False
+    elif model.model_type == "step3p5":  # eh_proj(concat[enorm(e), hnorm(h_pre)]), its own shared_head
+        # h is the main model's hidden state before its final norm: the head's norm is that norm
+        # and its output head the model's, so the head predicts what the model does
+        projection, norms, hidden_first = head.eh_proj, (head.enorm, head.hnorm), False
+        head.shared_head.norm.weight = model.model.norm.weight
+        head.shared_head.output.weight = model.lm_head.weight
     elif model.model_type == "mimo_v2_flash":  # eh_proj(concat[enorm(e), hnorm(h)]), final_layernorm
         projection, norms, hidden_first = head.eh_proj, (head.enorm, head.hnorm, head.final_layernorm), False
     else:  # eh_proj(concat[enorm(e), hnorm(h)]), then shared_head.norm

@@ -158,11 +158,32 @@ def _to_hf(family, params, *, shift_suffixes=QWEN_NORM_SUFFIXES, shift_all_norms
 
 
 MIMO_V2_LAYERS = 3  # MTP layers in a MiMo-V2-Flash checkpoint (the first is kept)
+STEP_LAYERS = 2  # MTP layers written for Step-3.5 here (its checkpoints ship 3; the first is kept)
+_STEP_NAMES = ((".mlp.switch_mlp.gate_proj.", ".moe.gate_proj."), (".mlp.switch_mlp.up_proj.", ".moe.up_proj."),
+               (".mlp.switch_mlp.down_proj.", ".moe.down_proj."), (".mlp.gate.gate.", ".moe.gate."),
+               (".mlp.gate.router_bias", ".moe.router_bias"), (".mlp.share_expert.", ".share_expert."))
+
+
+def _step_to_hf(params):
+    """Invert mlx-lm's step3p5 ``sanitize`` for an original ("vanilla") checkpoint: MoE names
+    back, every norm weight zero-centred."""
+    out = {}
+    for key, value in params.items():
+        key = f".{key}"
+        for mlx_name, hf_name in _STEP_NAMES:
+            if mlx_name in key:
+                key = key.replace(mlx_name, hf_name)
+                break
+        if key.endswith(".weight") and "norm" in key:
+            value = value - 1.0
+        out[key[1:]] = value
+    return out
 DEEPSEEK_LAYOUT = ("deepseek_v3", "deepseek_v32", "glm4_moe", "glm4_moe_lite")  # the head is layer num_hidden_layers
 # Every family whose tiny checkpoints get an MTP head here (the order: representatives of a cache
 # layout first, see tests/support/sweeps.py)
 MTP_MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "nemotron_h", "deepseek_v3", "deepseek_v32",
-                   "glm4_moe", "glm4_moe_lite", "mimo", "ernie4_5_moe", "exaone_moe", "mimo_v2_flash")
+                   "glm4_moe", "glm4_moe_lite", "mimo", "ernie4_5_moe", "exaone_moe", "mimo_v2_flash",
+                   "step3p5")
 
 
 def _deepseek_to_hf(params):
@@ -288,6 +309,14 @@ def write_mtp_checkpoint(root, family, *, form="mlx", quantized=False, placement
             for k, v in layer.items():
                 k = k[len("layers.0."):] if k.startswith("layers.0.") else k
                 mtp[f"model.mtp.layers.{i}.{k.replace('post_attention_layernorm.', 'pre_mlp_layernorm.')}"] = v
+    elif form == "hf" and family == "step3p5":  # vanilla names, zero-centred norms; the head as layers 3, 4
+        weights = _step_to_hf(backbone)
+        depth = config["num_hidden_layers"]
+        mtp = {}
+        for i in range(STEP_LAYERS):  # the checkpoints ship 3; the first is kept
+            layer = head_params if i == 0 else _random_like(head_params, seed=3000 + i)
+            flat = {(k[len("layers.0."):] if k.startswith("layers.0.") else k): v for k, v in layer.items()}
+            mtp.update({f"model.layers.{depth + i}.{k}": v for k, v in _step_to_hf(flat).items()})
     elif form == "hf" and family in DEEPSEEK_LAYOUT:  # the head is the layer after the last
         weights = _deepseek_to_hf(backbone)
         mtp = _deepseek_head_to_hf(head_params, backbone, config["num_hidden_layers"])
@@ -308,7 +337,8 @@ def write_mtp_checkpoint(root, family, *, form="mlx", quantized=False, placement
     else:
         weights = dict(weights, **mtp)
     # An empty module plus every tensor as extra_tensors lets any key layout through.
-    shipped = MIMO_V2_LAYERS if (form == "hf" and family == "mimo_v2_flash") else 1
+    # (step3p5: its config's per-layer lists cover STEP_LAYERS MTP layers, whatever the form)
+    shipped = {"mimo_v2_flash": MIMO_V2_LAYERS if form == "hf" else 1, "step3p5": STEP_LAYERS}.get(family, 1)
     write_model_folder(folder, nn.Module(), _declare(config, family, shipped) if declare else config,
                        vocab_size=_vocab(config), dtype=dtype, extra_tensors=weights,
                        extra_files=extra_files)

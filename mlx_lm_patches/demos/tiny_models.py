@@ -845,6 +845,26 @@ def _cfg_mimo_v2_flash() -> Dict[str, Any]:
             "attention_value_scale": 0.707, "tie_word_embeddings": False}
 
 
+def _cfg_step3p5() -> Dict[str, Any]:
+    # Step-3.5-Flash's layout: full and sliding layers (the sliding ones with their own head
+    # counts and full RoPE, the full ones with partial RoPE), a head-wise attention gate, MoE
+    # layers listed in moe_layers_enum with a shared expert; the per-layer lists also cover the
+    # num_nextn_predict_layers MTP layers after the backbone's (sliding, dense), as the
+    # checkpoints' do (transformers splits them off by that count)
+    return {"model_type": "step3p5", "vocab_size": _VOCAB, "hidden_size": _HIDDEN, "num_hidden_layers": 3,
+            "num_attention_heads": _HEADS, "num_attention_groups": _KV_HEADS, "head_dim": _HEAD_DIM,
+            "intermediate_size": _FFN, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+            "max_position_embeddings": _MAX_POS, "sliding_window": 512,
+            "num_nextn_predict_layers": 2,
+            "layer_types": ["full_attention", "sliding_attention", "full_attention", "sliding_attention",
+                            "sliding_attention"],
+            "partial_rotary_factors": [0.5, 1.0, 0.5, 1.0, 1.0],
+            "attention_other_setting": {"num_attention_heads": _HEADS, "num_attention_groups": _KV_HEADS},
+            "use_head_wise_attn_gate": True, "moe_num_experts": 4, "moe_top_k": 2,
+            "moe_intermediate_size": 32, "share_expert_dim": 32, "moe_layers_enum": "1,2",
+            "moe_router_scaling_factor": 1.0, "norm_expert_weight": True, "tie_word_embeddings": False}
+
+
 def _cfg_mimo() -> Dict[str, Any]:
     return dict(_cfg_llama(), model_type="mimo", num_nextn_predict_layers=1)
 
@@ -883,6 +903,7 @@ _CONFIGS: Dict[str, Callable[[], Dict[str, Any]]] = {
     "ernie4_5_moe": _cfg_ernie4_5_moe,
     "exaone_moe": _cfg_exaone_moe,
     "mimo_v2_flash": _cfg_mimo_v2_flash,
+    "step3p5": _cfg_step3p5,
 }
 
 

@@ -19,7 +19,7 @@ Bug
       fails the same way (deepseek_v32 too up to 0.30.6; later releases drop every layer past
       the backbone's); glm4_moe and glm4_moe_lite drop the layer, mimo its ``mtp_layers``,
       ernie4_5_moe its ``mtp_*`` tensors, exaone_moe its ``mtp.*`` ones,
-      mimo_v2_flash its ``model.mtp.*`` ones.
+      mimo_v2_flash its ``model.mtp.*`` ones, step3p5 its layers past the backbone's.
     * everywhere else the head is dropped without a word; an ``mtp.safetensors`` sidecar is
       never read.
 
@@ -99,7 +99,7 @@ def _load_model_with_mtp(wrapped, instance, args, kwargs, track=None):
 
 
 # Families whose Model.shard (tensor parallelism) the head's layers go through too (where defined).
-SHARDED_FAMILIES = ("qwen3_5", "deepseek_v3", "deepseek_v32", "glm4_moe", "glm4_moe_lite", "exaone_moe")
+SHARDED_FAMILIES = ("qwen3_5", "deepseek_v3", "deepseek_v32", "glm4_moe", "glm4_moe_lite", "exaone_moe", "step3p5")
 
 
 def _shard_with_head(wrapped, instance, args, kwargs):

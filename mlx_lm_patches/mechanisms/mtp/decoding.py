@@ -40,7 +40,7 @@ the pieces per family are in ``mtp_families``):
   layer with its own KV cache, ``shared_head.norm``, the shared ``lm_head``.
 
 In all ``h_t`` is the main model's *post*-final-norm hidden state by default (``hidden="pre"``:
-the input of the final norm) and the halves come in the family's order (``fusion=`` forces
+the input of the final norm; Step-3.5's default, ``HIDDEN`` of its descriptor) and the halves come in the family's order (``fusion=`` forces
 ``"embedding-first"`` or ``"hidden-first"``).
 
 ``model.mtp_forward(hidden, next_ids, cache)``, ``model.make_mtp_cache()`` and
@@ -337,7 +337,8 @@ class MTPDraft:
     # main model must re-run accepted tokens before the draft is asked (journal.py, fuse=False).
     reads_main_model = True
 
-    def __init__(self, model, hidden="post", fusion=None):
+    def __init__(self, model, hidden=None, fusion=None):
+        hidden = hidden or getattr(family_of(model), "HIDDEN", "post")  # the family's, by default
         if hidden not in HIDDEN_KINDS:
             raise ValueError(f"hidden={hidden!r}: expected one of {HIDDEN_KINDS}")
         self.fusion = _fusion_order(model, fusion)
@@ -397,7 +398,7 @@ def add_interface(model, track=None) -> None:
     ``track`` (the patcher's): records the change so revert takes it off again, together with
     the capture the draft installs later."""
     ref = weakref.ref(model)
-    model.__dict__["make_draft_model"] = lambda hidden="post", fusion=None: MTPDraft(ref(), hidden, fusion)
+    model.__dict__["make_draft_model"] = lambda hidden=None, fusion=None: MTPDraft(ref(), hidden, fusion)
     model.__dict__["mtp_forward"] = lambda hidden, next_ids, cache, fusion=None: mtp_forward(
         ref(), hidden, next_ids, cache, fusion)
     model.__dict__["make_mtp_cache"] = lambda: make_mtp_cache(ref())

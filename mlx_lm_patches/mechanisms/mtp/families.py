@@ -547,6 +547,19 @@ class Exaone(_ExtraLayerHead):
         return head.norm
 
 
+def _first_of(tensors):
+    """What ``mtp_status`` adds when a checkpoint ships more MTP layers than the one kept."""
+    layers = {m.group(1) for k in tensors for m in [re.search(r"\bmtp\.layers\.(\d+)\.", k)] if m}
+    if len(layers) > 1:
+        return f"the first of the checkpoint's {len(layers)}; the others are not used"
+    return None
+
+
+def _first_layer_only(tensors):
+    """``tensors`` without those of MTP layers after the first (``layers.{i}.`` with ``i > 0``)."""
+    return {k: v for k, v in tensors.items() if not re.match(r"^layers\.[1-9]\d*\.", k)}
+
+
 class MiMoV2(_ExtraLayerHead):
     """MiMo-V2-Flash (mimo_v2_flash): ``model.mtp.layers.{i}``, each ``enorm``, ``hnorm``,
     ``eh_proj`` (the normalized embedding first), a decoder layer of the family and
@@ -584,10 +597,7 @@ class MiMoV2(_ExtraLayerHead):
         return rest
 
     def status_note(self, tensors):
-        layers = {m.group(2) for k in tensors for m in [self._LAYER_KEY.match(k)] if m}
-        if len(layers) > 1:
-            return f"the first of the checkpoint's {len(layers)}; the others are not used"
-        return None
+        return _first_of(tensors)
 
     def build(self, model, config, weights, n_layers):
         import mlx.nn as nn
@@ -608,7 +618,7 @@ class MiMoV2(_ExtraLayerHead):
 
     def convert(self, tensors, mlx_layout=False):
         """Checkpoint names (``layers.0.enorm``, ``layers.0.pre_mlp_layernorm``, ...) to the head's;
-        the MTP layers after the first are left out."""
+        the MTP layers after the first are left out."""  # (before the rename: all under layers.{i})
         out = {}
         for key, value in tensors.items():
             match = re.match(r"^layers\.(\d+)\.(.+)$", key)
@@ -629,11 +639,89 @@ class MiMoV2(_ExtraLayerHead):
         return head.final_layernorm
 
 
+class Step3p5(_ExtraLayerHead):
+    """Step-3.5-Flash (step3p5): the MTP layers appended as ``model.layers.{num_hidden_layers + i}``,
+    each ``enorm``, ``hnorm``, ``eh_proj`` (the normalized embedding first), the family's decoder
+    layer at that index (its kind from ``layer_types``, dense or MoE from ``moe_layers_enum``, as
+    mlx-lm builds any layer of that index) and its *own* output head ``shared_head.norm`` /
+    ``shared_head.output`` (also stored under ``.transformer.shared_head``). Norms are stored
+    zero-centred in the original checkpoints and converted by the release's own ``sanitize``
+    (which decides that for the whole checkpoint). Followed: vLLM's ``step3p5_mtp.py`` and
+    SGLang's ``step3p5_mtp.py`` (the names, the order of the halves, the main model's hidden
+    state *before* its final norm as input, the per-layer output head, the shared embedding).
+    Checkpoints ship three MTP layers; the first is kept."""
+
+    names = ("step3p5",)
+    HIDDEN = "pre"
+    _FUSION = ("enorm.", "hnorm.", "eh_proj.", "shared_head.")
+
+    def split_checkpoint(self, model, weights, stock_sanitize):
+        """The layers past the backbone's last are the head's; their tensors go through the
+        release's own ``sanitize`` beside (empty stand-ins of) the backbone's, so its
+        checkpoint-wide decisions (zero-centred norms) are the ones it takes for the backbone."""
+        import mlx.core as mx
+
+        depth = model.args.num_hidden_layers
+        backbone, past = {}, {}
+        for key, value in weights.items():
+            match = re.match(r"^model\.layers\.(\d+)\.(.+)$", key)
+            if match and int(match.group(1)) >= depth:
+                past[f"mtp_step.{int(match.group(1)) - depth}.{match.group(2).replace('transformer.', '', 1)}"] = value
+            else:
+                backbone[key] = value
+        if not past:
+            return backbone, {}
+        stand_ins = {k: mx.zeros((0,)) for k in backbone}
+        converted = {k[len("mtp_step."):]: v for k, v in stock_sanitize(dict(stand_ins, **past)).items()
+                     if k.startswith("mtp_step.")}
+        return backbone, self._split(converted, r"^(\d+)\.(.+)$", self._FUSION)[1]
+
+    def source(self, model):
+        return f"the checkpoint's layer model.layers.{model.args.num_hidden_layers}"
+
+    def status_note(self, tensors):
+        return _first_of(tensors)
+
+    def build(self, model, config, weights, n_layers):
+        import mlx.nn as nn
+
+        from mlx_lm.models.step3p5 import Step3p5DecoderLayer, ZeroCenteredRMSNorm
+
+        self._one_layer(n_layers, "Step-3.5")
+        args = model.args
+        depth, hidden, eps = args.num_hidden_layers, args.hidden_size, args.rms_norm_eps
+        if args.layer_types and len(args.layer_types) <= depth:
+            raise HeadUnsupported(f"layer_types lists {len(args.layer_types)} layers: not the MTP layer at {depth}")
+        head = nn.Module()
+        head.enorm = ZeroCenteredRMSNorm(hidden, eps=eps)
+        head.hnorm = ZeroCenteredRMSNorm(hidden, eps=eps)
+        head.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
+        head.layers = [Step3p5DecoderLayer(args, depth)]
+        head.shared_head = nn.Module()
+        head.shared_head.norm = ZeroCenteredRMSNorm(hidden, eps=eps)
+        head.shared_head.output = nn.Linear(hidden, args.vocab_size, bias=False)
+        if head.layers[0].is_sliding:
+            head.__dict__[SLIDING_WINDOW] = args.sliding_window
+        return head
+
+    def convert(self, tensors, mlx_layout=False):
+        return _first_layer_only(tensors)
+
+    def fusion(self, head):
+        return head.enorm, head.hnorm, head.eh_proj
+
+    def head_norm(self, head):
+        return head.shared_head.norm
+
+    def logits(self, model, out):
+        return model.__dict__["mtp"].shared_head.output(out)
+
+
 def _identity(x):
     return x
 
 
-FAMILIES = {name: family for family in (Qwen(), NemotronH(), DeepSeekV3(), MiMo(), Ernie(), Exaone(), MiMoV2())
+FAMILIES = {name: family for family in (Qwen(), NemotronH(), DeepSeekV3(), MiMo(), Ernie(), Exaone(), MiMoV2(), Step3p5())
             for name in family.names}
 
 
