@@ -168,9 +168,14 @@ print(json.dumps(results))
 """
 
 
+# Patches whose scenario needs more than one rank (tests/test_distributed.py proves them): the
+# other patch's scenario runs for their pairs.
+NEEDS_RANKS = ("distributed-request-agreement", "distributed-generation-death")
+
+
 def _scenario_of(pair):
     a, b = pair
-    return a if b == "recurrent-rollback" else b  # one scenario is enough: both are on
+    return a if b in ("recurrent-rollback", *NEEDS_RANKS) else b  # one scenario is enough: both are on
 
 
 @pytest.fixture(scope="module")
