@@ -96,8 +96,12 @@ def _layout_skip(model_type, args):
     """Why the installed release cannot serve ``model_type`` this way, or None."""
     import mlx_lm.utils
 
+    from mlx_lm_patches.demos.tiny_models import _module_exists
+
     if not hasattr(mlx_lm.utils, "sharded_load"):
         return "mlx_lm.utils has no sharded_load"
+    if not _module_exists(model_type):
+        return f"no {model_type} in this mlx-lm"
     model = build_tiny_model(model_type, seed=1)
     if "--pipeline" in args:
         if "--pipeline" not in server_flags():
