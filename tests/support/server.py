@@ -264,8 +264,16 @@ def run_ranks(script, *args: str, ranks: int = 2, env: Optional[Mapping[str, str
 def _launch_argv(python: str, ranks: int, script: str, *args: str) -> list:
     """``mlx.launch`` running ``python SCRIPT *args`` on ``ranks`` local ranks, each through
     ``rank_main.py`` (a kernel cache of its own)."""
-    return [launcher(python), "-n", str(ranks), "--backend", "ring", "--python", python,
+    chosen = ["--python", python] if "--python" in _launcher_flags(launcher(python)) else []  # mlx >= 0.30
+    return [launcher(python), "-n", str(ranks), "--backend", "ring", *chosen,
             "--starting-port", str(free_port()), "--", str(RANK_MAIN), script, *args]
+
+
+@functools.lru_cache(maxsize=None)
+def _launcher_flags(path: str) -> frozenset:
+    """The options an ``mlx.launch`` accepts (from its ``--help``, asked once per launcher)."""
+    proc = subprocess.run([path, "--help"], capture_output=True, text=True, timeout=60)
+    return frozenset(re.findall(r"--[a-z][a-z-]+", proc.stdout))
 
 
 RANK_MAIN = pathlib.Path(__file__).with_name("rank_main.py")  # each rank: a kernel cache of its own
@@ -273,9 +281,9 @@ RANK_MAIN = pathlib.Path(__file__).with_name("rank_main.py")  # each rank: a ker
 
 def _script(python: str, entry) -> str:
     """The script that runs ``python *entry`` (``-m mlx_lm.server``: its console script). Every
-    ``mlx.launch --python PYTHON`` runs a script file with that interpreter; those before mlx
-    0.32 take any existing file as the script, the interpreter's own path included, so ``--
-    python -m mlx_lm.server`` does not work there."""
+    ``mlx.launch`` runs a script file with ``--python PYTHON`` (mlx 0.30+; before, with its own
+    interpreter: the one beside it); those before mlx 0.32 take any existing file as the script,
+    the interpreter's own path included, so ``-- python -m mlx_lm.server`` does not work there."""
     if tuple(entry) == ("-m", "mlx_lm.server"):
         return str(pathlib.Path(python).parent / "mlx_lm.server")
     if len(entry) == 1 and pathlib.Path(entry[0]).is_file():
