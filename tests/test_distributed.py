@@ -234,19 +234,37 @@ def test_diverging_request_reuses_half_the_shared_prefix(served, reference):
 # -- --draft-model mtp -------------------------------------------------------------------------
 
 @pytest.fixture(scope="module", params=sorted(LAYOUTS))
-def mtp_served(request, tmp_path_factory):
+def mtp_served(request, tmp_path_factory, hook):
     """A two-rank ``--draft-model mtp`` server of one layout on a checkpoint with an MTP head
-    (float32: the reference is exact), after concurrent requests and a diverging one."""
+    (float32: the reference is exact), after concurrent requests and a diverging one; last, a
+    request whose model forward fails on rank 1 (served alone, as every drafted request is)."""
     model_type, args = _layout(request.param)
     folder = _mtp_folder(tmp_path_factory, model_type)
-    with serve(folder, "--draft-model", "mtp", *args, *_prefill_args(), ranks=RANKS,
+    with serve(folder, "--draft-model", "mtp", *args, *_prefill_args(), ranks=RANKS, entry=(str(hook),),
                ready_timeout=READY_TIMEOUT, env=clean_env(MLX_LM_PATCHES_DEBUG="1")) as server:
         client = server.client(timeout=REQUEST_TIMEOUT)
         concurrent_answers = _ask_concurrently(client)
         _ask(client, FIRST)
         diverging = _ask(client, DIVERGING)
         _logged(server, DRAFTING, RANKS)
-        yield dict(folder=folder, concurrent=concurrent_answers, diverging=diverging, log=server.log())
+        log = server.log()
+        failure = _fail(server, "forward")
+        yield dict(folder=folder, concurrent=concurrent_answers, diverging=diverging, log=log, failure=failure)
+
+
+def test_draft_model_mtp_a_rank_failing_in_the_forward_ends_every_process(mtp_served):
+    """A drafted request is served alone (``_serve_single``), which answers an error on the rank
+    that raised and goes on, while the other rank waits in the model's collective (stock: a
+    hang). ``distributed-generation-death`` ends that rank instead (exit code 70): the client
+    gets an error, every process exits."""
+    import openai
+
+    failure = mtp_served["failure"]
+    outcome = failure["outcome"]
+    assert isinstance(outcome, (openai.APIConnectionError, openai.APIStatusError)), outcome
+    assert not isinstance(outcome, openai.APITimeoutError), f"no answer after {failure['seconds']:.0f}s"
+    assert failure["exited"], f"ranks still running {EXIT_TIMEOUT:.0f}s after rank 1 failed"
+    assert "rank 1 exited with code 70" in failure["log"], failure["log"][-3000:]
 
 
 def test_draft_model_mtp_drafts_on_every_rank(mtp_served):

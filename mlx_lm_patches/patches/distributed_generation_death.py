@@ -28,8 +28,14 @@ Fix
     tokenize on some ranks is refused by all (``distributed-request-agreement``) and the server
     goes on. What cannot be agreed on is a failure inside the model, once the ranks are inside
     its collectives: ending the group is the only bounded outcome. Requests served one at a time
-    (``--draft-model``, models that cannot batch) catch their own errors per request, on the
-    failing rank only: not covered (docs/distributed.md).
+    (``_serve_single``: ``--draft-model``, models that cannot batch) catch their own errors and
+    answer them on the failing rank, which then goes on to the next request while the others
+    wait: there the request's reply queue is wrapped, and an error put on it that the ranks did
+    not agree on (``distributed-request-agreement`` marks the ones they did) ends the rank the
+    same way. The price: an error every rank raises alike in such a request (rare: the request
+    was tokenized on every rank) also ends the server, where stock answers it and goes on; a
+    client that disconnects from such a request does too (stock raises on rank 0 only there and
+    hangs).
 
 Affected
     Every release whose server runs distributed (``ResponseGenerator._is_distributed``,
@@ -89,20 +95,53 @@ def _generate_or_end_the_rank(wrapped, instance, args, kwargs):
     try:
         return wrapped(*args, **kwargs)
     except Exception as exc:
-        grace = GRACE_SECONDS if group.rank() == 0 else 0.0  # only rank 0 has clients to answer
-        log.error("mlx-lm-patches: the generation loop of rank %d of %d stopped on %s: %s; the other ranks "
-                  "would wait for it forever, so this rank ends in %.0f s (exit code %d) and mlx.launch "
-                  "ends the others", group.rank(), group.size(), type(exc).__name__, exc, grace, EXIT_CODE)
-        # A rank other than 0 returns from main once its loop ended: exit code 0, which mlx.launch
-        # takes for a rank that completed, leaving the others waiting. So the exit code is ours
-        # however the process ends.
-        atexit.register(_end_process)
-        if not grace:
-            _end_process()
-        timer = threading.Timer(grace, _end_process)
-        timer.daemon = True
-        timer.start()
+        _end_the_rank(group, "the generation loop", exc)
         raise
+
+
+class _EndingQueue:
+    """A request's reply queue in a request served alone: an error put on it that the ranks did
+    not agree on ends the rank (after the error is handed on)."""
+
+    def __init__(self, queue, group):
+        self._queue, self._group = queue, group
+
+    def put(self, item, *args, **kwargs):
+        from mlx_lm_patches.patches.distributed_request_agreement import AGREED
+
+        if isinstance(item, BaseException) and not getattr(item, AGREED, False):
+            _end_the_rank(self._group, "a request served alone", item)
+        return self._queue.put(item, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._queue, name)
+
+
+def _serve_single_or_end_the_rank(wrapped, instance, args, kwargs):
+    """``_serve_single((rqueue, request, args), ...)`` catches a request's error and answers it on
+    this rank only, which then goes on to the next request while the others may wait in the
+    model's collective: with more than one rank, such an error ends the rank instead."""
+    group = _group()
+    if group is None or not args or not isinstance(args[0], tuple) or len(args[0]) != 3:
+        return wrapped(*args, **kwargs)
+    rqueue, request, arguments = args[0]
+    return wrapped((_EndingQueue(rqueue, group), request, arguments), *args[1:], **kwargs)
+
+
+def _end_the_rank(group, what, exc):
+    grace = GRACE_SECONDS if group.rank() == 0 else 0.0  # only rank 0 has clients to answer
+    log.error("mlx-lm-patches: %s of rank %d of %d stopped on %s: %s; the other ranks "
+              "would wait for it forever, so this rank ends in %.0f s (exit code %d) and mlx.launch "
+              "ends the others", what, group.rank(), group.size(), type(exc).__name__, exc, grace, EXIT_CODE)
+    # A rank other than 0 returns from main once its loop ended: exit code 0, which mlx.launch
+    # takes for a rank that completed, leaving the others waiting. So the exit code is ours
+    # however the process ends.
+    atexit.register(_end_process)
+    if not grace:
+        _end_process()
+    timer = threading.Timer(grace, _end_process)
+    timer.daemon = True
+    timer.start()
 
 
 def probe():
@@ -117,6 +156,7 @@ def probe():
 
 def apply(p):
     p.wrap(f"{SERVER}:ResponseGenerator._generate", _generate_or_end_the_rank)
+    p.wrap_if_present(f"{SERVER}:ResponseGenerator._serve_single", _serve_single_or_end_the_rank)
 
 
 def scenario():

@@ -45,6 +45,7 @@ import sys
 from mlx_lm_patches.engine.contract import NotNeeded, Outcome
 
 SERVER = "mlx_lm.server"
+AGREED = "_mlx_lm_patches_agreed"  # on an error every rank raised together for the same request
 
 
 def _group():
@@ -66,11 +67,14 @@ def agree(group, error):
         flags[group.rank()] = 1
     failed = [rank for rank, flag in enumerate(mx.distributed.all_sum(flags, group=group).tolist()) if flag]
     if error is not None:
+        setattr(error, AGREED, True)
         raise error
     if failed:
         ranks = ", ".join(map(str, failed))
-        raise RuntimeError(f"the request failed on rank(s) {ranks} of {group.size()} (see that rank's log); "
-                           "every rank refuses it")
+        refusal = RuntimeError(f"the request failed on rank(s) {ranks} of {group.size()} (see that rank's log); "
+                               "every rank refuses it")
+        setattr(refusal, AGREED, True)
+        raise refusal
 
 
 def _tokenize_on_every_rank(wrapped, instance, args, kwargs):
