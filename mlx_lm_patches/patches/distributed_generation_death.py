@@ -20,7 +20,8 @@ Fix
     Wrap ``ResponseGenerator._generate`` (the loop). In a group of more than one rank, when it
     raises, log which rank stopped and why and end the process with exit code ``EXIT_CODE``:
     rank 0 ``GRACE_SECONDS`` later, after the error went on to whatever answers its requests in
-    flight (mlx-lm's own handler, or ``server-thread-death``); another rank at once.
+    flight (mlx-lm's own handler, or ``server-thread-death``); another rank at once (each a
+    second after its last output, for ``mlx.launch`` to forward it).
     ``mlx.launch`` then ends every other rank: the clients get an error (rank 0's own answer,
     or a closed connection), and every process exits. One process: nothing changes.
 
@@ -58,11 +59,14 @@ import logging
 import os
 import sys
 import threading
+import time
 
 from mlx_lm_patches.engine.contract import NotNeeded, Outcome
 
 SERVER = "mlx_lm.server"
 GRACE_SECONDS = 3.0  # for rank 0's handlers to answer the requests in flight with the error
+LAST_WORDS_SECONDS = 1.0  # for mlx.launch to forward what the rank wrote last (before mlx 0.32.4 it
+# stops reading a rank's output once the rank has exited)
 EXIT_CODE = 70  # EX_SOFTWARE
 
 log = logging.getLogger("mlx_lm_patches")
@@ -85,6 +89,7 @@ def _end_process():
             pass
     sys.stdout.flush()
     sys.stderr.flush()
+    time.sleep(LAST_WORDS_SECONDS)
     os._exit(EXIT_CODE)
 
 
@@ -128,8 +133,14 @@ def _serve_single_or_end_the_rank(wrapped, instance, args, kwargs):
     return wrapped((_EndingQueue(rqueue, group), request, arguments), *args[1:], **kwargs)
 
 
+_ending = []  # set once the rank is on its way out
+
+
 def _end_the_rank(group, what, exc):
     grace = GRACE_SECONDS if group.rank() == 0 else 0.0  # only rank 0 has clients to answer
+    if _ending:
+        return
+    _ending.append(what)
     log.error("mlx-lm-patches: %s of rank %d of %d stopped on %s: %s; the other ranks "
               "would wait for it forever, so this rank ends in %.0f s (exit code %d) and mlx.launch "
               "ends the others", what, group.rank(), group.size(), type(exc).__name__, exc, grace, EXIT_CODE)
@@ -137,8 +148,6 @@ def _end_the_rank(group, what, exc):
     # takes for a rank that completed, leaving the others waiting. So the exit code is ours
     # however the process ends.
     atexit.register(_end_process)
-    if not grace:
-        _end_process()
     timer = threading.Timer(grace, _end_process)
     timer.daemon = True
     timer.start()

@@ -48,6 +48,7 @@ Metal
 import logging
 import os
 import sys
+import time
 import weakref
 
 from mlx_lm_patches.engine.contract import Outcome
@@ -121,8 +122,13 @@ def _every_rank_has_a_draft(group, problem, model) -> None:
     missing = [rank for rank, flag in enumerate(flags.tolist()) if not flag]
     if missing:
         why = f": {problem}" if problem else " (see their logs)"
-        raise ValueError(f"--draft-model mtp: no MTP head on rank(s) {', '.join(map(str, missing))} "
-                         f"of {group.size()}{why}")
+        refusal = ValueError(f"--draft-model mtp: no MTP head on rank(s) {', '.join(map(str, missing))} "
+                             f"of {group.size()}{why}")
+        # Said before it is raised, with a moment for mlx.launch to forward it: the ranks end on
+        # it, and a launcher before mlx 0.32.4 stops reading a rank's output once it has exited.
+        log.error("mlx-lm-patches: %s: %s", type(refusal).__name__, refusal)
+        time.sleep(1.0)
+        raise refusal
     how = sharding_of(model)
     if how not in model.__dict__.get("mtp_status", ""):
         model.__dict__["mtp_status"] = f"{model.__dict__.get('mtp_status', 'MTP head kept')}; {how}"
