@@ -1,5 +1,6 @@
 """mlx-vlm's Qwen3.5 / Qwen3-VL language models in batched text generation (needs mlx-vlm; the
-CI matrix has rows with mlx-vlm 0.4.0, 0.6.14, 0.6.17 and 0.7.10, elsewhere this file is skipped).
+CI matrix has rows with mlx-vlm 0.4.0, 0.5.0, 0.6.4, 0.6.14, 0.6.17 and 0.7.10, elsewhere this
+file is skipped).
 
 Tiny random-weight mlx-vlm models built from config dicts
 (``mlx_lm_patches/demos/tiny_vlm_models.py``), prompts of 5, 9 and 13 tokens. Reference: each
@@ -28,12 +29,18 @@ POSITIONS = {"qwen3_5": "mlx-vlm-qwen3-5-batch-positions", "qwen3_vl": "mlx-vlm-
 DELTAS = {"stripped": "mlx-vlm-unpadded-rope-deltas", "told": "mlx-vlm-left-padding-rope-deltas",
           "inserted": "mlx-vlm-padded-rows-stripped"}
 HANDED = (vlm.batch_generate_padding() or "inserted") if vlm.takes_rows() else None
-# qwen3_5_moe's language model inherits Qwen3.5's (positions, attention, gated-delta layers)
-# Releases whose own BatchGenerator is wrong for text rows of different lengths inserted one by
-# one (measured; README, "Not fixed yet"): batched generation cannot be exact there.
-ROWS_GAPS = {"qwen3_5": {"0.5.0", "0.6.4"}, "qwen3_5_moe": {"0.5.0", "0.6.4"},
-             "qwen3_vl": {"0.5.0", "0.6.0", "0.6.1", "0.6.2", "0.6.3", "0.6.4"},
-             "qwen3_vl_moe": {"0.5.0", "0.6.0", "0.6.1", "0.6.2", "0.6.3", "0.6.4"}}
+# from mlx-vlm 0.5: each language module's fix of its batched prefill positions
+# (qwen3_5_moe's language model inherits Qwen3.5's positions, attention and gated-delta layers)
+PREFILL = {"qwen3_5": "mlx-vlm-qwen3-5-prefill-positions", "qwen3_5_moe": "mlx-vlm-qwen3-5-prefill-positions",
+           "qwen3_vl": "mlx-vlm-qwen3-vl-prefill-positions", "qwen3_vl_moe": "mlx-vlm-qwen3-vl-moe-prefill-positions"}
+LANGUAGE_MODULE = {"qwen3_5": "qwen3_5", "qwen3_5_moe": "qwen3_5", "qwen3_vl": "qwen3_vl", "qwen3_vl_moe": "qwen3_vl_moe"}
+# Releases whose own BatchGenerator, stock, decodes text rows of different lengths inserted one by
+# one wrong (measured by hand on 0.5.0, 0.6.0, 0.6.3, 0.6.4, 0.6.5): the rows reach the two bugs the
+# prefill-positions patches fix (from 0.6.5 the generator hands each row's positions and the
+# model keeps their deltas). Qwen3.5's own mask from the cache's padding makes it exact on 0.6.0 - 0.6.3.
+STOCK_ROWS_WRONG = {"qwen3_5": {"0.5.0", "0.6.4"}, "qwen3_5_moe": {"0.5.0", "0.6.4"},
+                    "qwen3_vl": {"0.5.0", "0.6.0", "0.6.1", "0.6.2", "0.6.3", "0.6.4"},
+                    "qwen3_vl_moe": {"0.5.0", "0.6.0", "0.6.1", "0.6.2", "0.6.3", "0.6.4"}}
 
 
 def _installed_mlx_vlm():
@@ -58,30 +65,20 @@ def model(request):
     return request.param, vlm.build(request.param)
 
 
-def _mark_known_gap(request, model_type, path):
-    if path in ("mlx-vlm", "batch_generate") and vlm.takes_rows() \
-            and _installed_mlx_vlm() in ROWS_GAPS.get(model_type, ()):
-        request.applymarker(pytest.mark.xfail(strict=True, reason=(
-            f"mlx-vlm {_installed_mlx_vlm()}'s BatchGenerator decodes {model_type} rows of different "
-            "lengths wrong: not fixed yet (README, Not fixed yet)")))
-
-
 @pytest.mark.parametrize("path", list(PATHS))
-def test_batched_text_generation_equals_each_prompt_alone(model, path, request):
+def test_batched_text_generation_equals_each_prompt_alone(model, path):
     model_type, built = model
-    _mark_known_gap(request, model_type, path)
     assert vlm.batched_problem(built, model_type, PATHS[path]) is None
 
 
 @pytest.mark.parametrize("model_type", vlm.MODEL_TYPES)
-def test_batch_generate_answers_each_prompt_as_alone(model_type, request):
+def test_batch_generate_answers_each_prompt_as_alone(model_type):
     """The user's call: ``mlx_vlm.batch_generate`` of three text prompts of different lengths,
     with a processor from a locally built tokenizer, answers each prompt as ``mlx_vlm.generate``
     answers it alone (greedy)."""
     _skip_unless_driven(model_type)
     if not vlm.takes_rows():
         pytest.skip("mlx-vlm < 0.5: batch_generate feeds one padded batch (the mlx-vlm path covers it)")
-    _mark_known_gap(request, model_type, "batch_generate")
     assert vlm.batch_generate_texts_problem(vlm.build(model_type), model_type) is None
 
 
@@ -93,8 +90,6 @@ def test_stock_batch_generate_is_wrong_where_affected(model_type):
     _skip_unless_driven(model_type)
     if not vlm.takes_rows():
         pytest.skip("mlx-vlm < 0.5: batch_generate feeds one padded batch (the mlx-vlm path covers it)")
-    if _installed_mlx_vlm() in ROWS_GAPS.get(model_type, ()):
-        pytest.skip(f"mlx-vlm {_installed_mlx_vlm()}'s BatchGenerator is wrong for {model_type} rows anyway")
     mlx_lm_patches.revert()
     try:
         problem = vlm.batch_generate_texts_problem(vlm.build(model_type), model_type)
@@ -117,8 +112,12 @@ def reverted(request):
 def _stock_cases():
     for model_type, pid in POSITIONS.items():
         for path in PATHS:
-            # batch_generate's rows also go through its hand-over of the padding
-            pids = [pid] + ([DELTAS[HANDED]] if path == "batch_generate" and HANDED else [])
+            if path == "mlx-vlm" and vlm.takes_rows():
+                continue  # (>= 0.5: test_stock_rows_inserted_one_by_one_are_wrong_where_measured)
+            # batch_generate's rows also go through its hand-over of the padding; from 0.5 mlx-lm's
+            # BatchGenerator reaches Qwen3.5's gated-delta layers with padding only prefilled per row
+            pids = [pid] + ([DELTAS[HANDED]] if path == "batch_generate" and HANDED else []) \
+                + (["batch-prefill-per-row"] if path == "mlx-lm" and model_type == "qwen3_5" and vlm.takes_rows() else [])
             broken = [p for p in pids if affected(p)]
             yield pytest.param(model_type, path, None, id=f"{model_type}-{path}-stock",
                                marks=xfail_if_affected(broken[0] if broken else pid))
@@ -138,6 +137,81 @@ def test_unpatched_batching_fails_where_affected(model_type, path, reverted):
         pytest.skip(f"this mlx-vlm has no {path} path")
     built = vlm.build(model_type)
     assert vlm.batched_problem(built, model_type, PATHS[path]) is None
+
+
+def _prefill_patched_module(model_type):
+    """mlx-vlm (>= 0.5)'s language module of ``model_type`` (skips elsewhere)."""
+    import importlib
+
+    _skip_unless_driven(model_type)
+    if not vlm.takes_rows():
+        pytest.skip("mlx-vlm < 0.5: the batch-positions patches cover its language models")
+    return importlib.import_module(f"mlx_vlm.models.{model_type}.language")
+
+
+@pytest.mark.parametrize("model_type", vlm.MODEL_TYPES)
+def test_language_model_prefills_each_row_at_its_own_positions(model_type):
+    """A two-layer language model: two rows (one left-padded) prefilled together on mlx-vlm's
+    empty batch caches without positions, and a row prefilled with handed ``position_ids`` and
+    ``rope_deltas``, decode their next token as the row alone (logits within 1e-4)."""
+    assert vlm.prefill_positions_problem(_prefill_patched_module(model_type), model_type) is None
+
+
+@pytest.mark.parametrize("model_type,reverted", [
+    pytest.param(m, [PREFILL[m]], id=m, marks=xfail_if_affected(PREFILL[m])) for m in vlm.MODEL_TYPES],
+    indirect=["reverted"])
+def test_stock_language_model_prefills_rows_elsewhere_where_affected(model_type, reverted):
+    assert vlm.prefill_positions_problem(_prefill_patched_module(model_type), model_type) is None
+
+
+@pytest.mark.parametrize("model_type,reverted", [(m, [PREFILL[m]]) for m in vlm.MODEL_TYPES], indirect=["reverted"])
+def test_stock_rows_inserted_one_by_one_are_wrong_where_measured(model_type, reverted, request):
+    """The prefill-positions patch reverted: rows inserted one by one into mlx-vlm's
+    ``BatchGenerator`` are wrong on the releases measured wrong (strict xfail), exact elsewhere
+    (from 0.6.5 the generator hands each row's positions and the model keeps their deltas)."""
+    _prefill_patched_module(model_type)
+    if _installed_mlx_vlm() in STOCK_ROWS_WRONG[model_type]:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=f"{PREFILL[model_type]} reverted"))
+    assert vlm.batched_problem(vlm.build(model_type), model_type, vlm.vlm_rows_batched) is None
+
+
+@pytest.mark.parametrize("model_type", vlm.MODEL_TYPES)
+def test_rows_prefilled_in_chunks_equal_each_prompt_alone(model_type, request):
+    """``prefill_step_size=3``: the 5- and 9-token rows are still in their padding after the first
+    chunks (Qwen3.5 clamps those negative offsets at 0 when it builds positions: the patch keeps
+    them). mlx-vlm 0.6.0 - 0.6.4's Qwen3.5 prefills padded rows one by one and crashes on a
+    chunk that is all padding for a row (fixed in 0.6.5; not patched: README, Not fixed yet)."""
+    from packaging.version import Version
+
+    _prefill_patched_module(model_type)
+    if model_type.startswith("qwen3_5") and Version("0.6.0") <= Version(_installed_mlx_vlm()) < Version("0.6.5"):
+        request.applymarker(pytest.mark.xfail(strict=True, raises=ValueError, reason=(
+            "mlx-vlm 0.6.0 - 0.6.4's Qwen3.5 cannot prefill a chunk that is all padding for a row")))
+    run = lambda model, rows: vlm.vlm_rows_batched(model, rows, prefill_step_size=3)  # noqa: E731
+    assert vlm.batched_problem(vlm.build(model_type), model_type, run) is None
+
+
+def test_batched_prefill_of_image_prompts_without_positions_is_refused():
+    """mlx-vlm >= 0.5: a batched prefill on empty batch caches, given no positions, whose tokens
+    hold an image placeholder raises (the language model cannot place image tokens without the
+    grids); the same tokens handed their positions run mlx-vlm's own code."""
+    import importlib
+
+    import mlx.core as mx
+
+    from mlx_lm_patches.mechanisms.vlm_positions import BatchedVisionPositions
+
+    module = _prefill_patched_module("qwen3_vl")
+    if ROWS[PREFILL["qwen3_vl"]].state != "applied":
+        pytest.skip(f"{PREFILL['qwen3_vl']} is {ROWS[PREFILL['qwen3_vl']].state} here")
+    caches = importlib.import_module("mlx_vlm.models.cache")
+    lm = vlm.build("qwen3_vl").language_model
+    assert module.LanguageModel is type(lm)
+    tokens = mx.array([[0, 5, 6], [7, lm.config.image_token_id, 9]])
+    with pytest.raises(BatchedVisionPositions, match="one at a time"):
+        lm(tokens, cache=[caches.BatchKVCache([1, 0]) for _ in lm.layers])
+    positions = mx.array([[0, 0, 1], [0, 1, 2]])
+    lm(mx.minimum(tokens, 255), cache=[caches.BatchKVCache([1, 0]) for _ in lm.layers], position_ids=positions)
 
 
 def test_image_positions_at_different_row_offsets_are_refused():
@@ -186,7 +260,7 @@ def test_mlx_vlm_patches_are_decided_when_mlx_vlm_model_code_is_imported():
     assert ran.returncode == 0, ran.stderr[-2000:]
     before, after, status = ran.json()
     expected = {pid: ROWS[pid].state for pid in before}
-    assert set(before) == {*POSITIONS.values(), "mlx-vlm-gated-delta-advance", *DELTAS.values()}
+    assert set(before) == {*POSITIONS.values(), *PREFILL.values(), "mlx-vlm-gated-delta-advance", *DELTAS.values()}
     for pid, state in expected.items():
         if state == "applied":
             assert before[pid] == "pending" and after[pid] == "applied", (pid, before[pid], after[pid])

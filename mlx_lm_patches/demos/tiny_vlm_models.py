@@ -200,14 +200,15 @@ def _embeddings(model, input_ids, **kwargs):
             if v is not None}
 
 
-def vlm_rows_batched(model, rows, max_tokens: int = MAX_TOKENS):
+def vlm_rows_batched(model, rows, max_tokens: int = MAX_TOKENS, **generator_kwargs):
     """``rows`` decoded together by mlx-vlm (>= 0.5)'s ``BatchGenerator``, each inserted with its
-    own embeddings (as its server inserts requests): the generator pads them itself."""
+    own embeddings (as its server inserts requests): the generator pads them itself.
+    ``generator_kwargs`` go to the generator (e.g. ``prefill_step_size``)."""
     import mlx.core as mx
 
     model.language_model._position_ids = model.language_model._rope_deltas = None  # text only
     kwargs = [_embeddings(model, mx.array([list(r)])) for r in rows]
-    return _drive_rows(model, [list(r) for r in rows], max_tokens, kwargs)
+    return _drive_rows(model, [list(r) for r in rows], max_tokens, kwargs, **generator_kwargs)
 
 
 def vlm_batch_generate_fed(model, rows, max_tokens: int = MAX_TOKENS):
@@ -461,12 +462,6 @@ def batch_generate_texts_scenario(model_type: str, padding: Optional[str]):
                                       "not as this fix is about")
     try:
         model = build(model_type)
-        if handed == "inserted":  # the rows then take the generator's own path: it must be exact
-            own = batched_problem(model, model_type, vlm_rows_batched)
-            if own:
-                return Outcome.not_applicable(
-                    f"this mlx-vlm's BatchGenerator itself decodes rows of different lengths wrong ({own}): "
-                    "another bug, not fixed (README, Not fixed yet)")
         problem = batch_generate_texts_problem(model, model_type)
     except Exception as exc:
         return Outcome.failure(f"mlx-vlm {model_type} batch_generate", exc)
@@ -476,9 +471,10 @@ def batch_generate_texts_scenario(model_type: str, padding: Optional[str]):
                    [f"{len(TEXT_PROMPTS)} text prompts of different lengths, {MAX_TOKENS} tokens each"])
 
 
-def scenario_outcome(model_type: str, only=None):
+def scenario_outcome(model_type: str, only=None, before_rows: bool = False):
     """The scenario of the mlx-vlm patches: ``model_type``'s batched text generation through the
-    paths of :func:`paths` (those named in ``only``, if given) equals each prompt alone."""
+    paths of :func:`paths` (those named in ``only``, if given) equals each prompt alone.
+    ``before_rows``: a fix of mlx-vlm < 0.5's batching code, not applicable from 0.5."""
     from mlx_lm_patches.engine.contract import Outcome
 
     if not available(model_type):
@@ -486,6 +482,9 @@ def scenario_outcome(model_type: str, only=None):
     why = unsupported_api(model_type)
     if why:
         return Outcome.not_applicable(why)
+    if before_rows and takes_rows():
+        return Outcome.not_applicable("mlx-vlm >= 0.5 rewrote the batching code this fix is about (its "
+                                      "batched prefill positions: the mlx-vlm-*-prefill-positions patches)")
     try:
         model = build(model_type)  # mlx-vlm's constructors: not what the patches touch
     except Exception as exc:
@@ -510,18 +509,41 @@ def scenario_outcome(model_type: str, only=None):
                    details)
 
 
+def prefill_positions_scenario(language_module, model_type: str):
+    """The scenario of the ``*-prefill-positions`` patches: ``model_type``'s language model
+    prefilling a padded batch on mlx-vlm's caches without positions, and prefilled with handed
+    positions, decodes as each row alone; and (where driven) rows inserted one by one into
+    mlx-vlm's ``BatchGenerator`` equal each prompt alone."""
+    from mlx_lm_patches.engine.contract import Outcome
+
+    problem = prefill_positions_problem(language_module, model_type)
+    if problem:
+        return Outcome.failure(problem)
+    outcome = scenario_outcome(model_type, only=("mlx-vlm",))
+    if outcome.ok is False:
+        return outcome
+    details = ["language model: a padded batch prefilled without positions, and a row prefilled with "
+               "handed positions, decode as each row alone"]
+    details += outcome.details if outcome.ok else [f"mlx-vlm BatchGenerator not driven: {outcome.summary}"]
+    return Outcome(True, f"mlx-vlm {model_type}: batched prefills place each row at its own positions", details)
+
+
 # ---------------------------------------------------------------------------------------------
 # Probes: two layers, two rows at different offsets, one decode step
 # ---------------------------------------------------------------------------------------------
 
 
-def batched_rows_problem(language_module, model_type: str) -> Optional[str]:
+def batched_rows_problem(language_module, model_type: str, caches: str = "mlx_lm.models.cache") -> Optional[str]:
     """Evidence that ``language_module.LanguageModel`` (two layers, random init) decodes two rows
     of a batch cache at different offsets (one left-padded) differently from each row alone - or
-    raises - or None. Recurrent caches are finalized after the prefill, as mlx-lm's
-    ``BatchGenerator`` does, so only the attention path is probed."""
+    raises - or None. The batch prefill starts on empty caches and is given no positions; the
+    cache classes are those of the module ``caches`` (mlx-lm's, or mlx-vlm's own from 0.6.4).
+    Recurrent caches are finalized after the prefill, as mlx-lm's ``BatchGenerator`` does, so
+    only the attention path is probed."""
     import mlx.core as mx
-    from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
+
+    cache_module = importlib.import_module(caches)
+    ArraysCache, BatchKVCache, KVCache = cache_module.ArraysCache, cache_module.BatchKVCache, cache_module.KVCache
 
     package = language_module.__name__.rsplit(".", 1)[0]
     configs = importlib.import_module(f"{package}.config")
@@ -547,7 +569,7 @@ def batched_rows_problem(language_module, model_type: str) -> Optional[str]:
     try:
         lm(mx.array([[0] + rows[0], rows[1]]), cache=batch)
         for c in batch:
-            if isinstance(c, ArraysCache):
+            if isinstance(c, ArraysCache) and hasattr(c, "finalize"):
                 c.finalize()
         got = lm(mx.array([[t] for t in last]), cache=batch).logits
     except (ValueError, TypeError) as exc:
@@ -557,6 +579,46 @@ def batched_rows_problem(language_module, model_type: str) -> Optional[str]:
         return (f"{model_type} language model: rows of a batch at different offsets differ from "
                 f"the rows alone by {worst:.3g} (row 0's positions, or padding not masked)")
     return None
+
+
+def handed_positions_decode_problem(language_module, model_type: str) -> Optional[str]:
+    """Evidence that ``language_module.LanguageModel`` (two layers, random init), prefilled with
+    the ``position_ids`` and ``rope_deltas`` a row's embeddings carry (as mlx-vlm 0.6.4's
+    ``BatchGenerator`` hands them over) and then decoding with that ``rope_deltas``, decodes at
+    another position than the row prefilled without them, or None."""
+    import mlx.core as mx
+
+    package = language_module.__name__.rsplit(".", 1)[0]
+    configs = importlib.import_module(f"{package}.config")
+    model_config = configs.ModelConfig.from_dict(config(model_type))
+    model_config.text_config = configs.TextConfig.from_dict(dict(text_config(model_type), num_hidden_layers=2))
+    model_config.vision_config = configs.VisionConfig.from_dict(dict(_VISION, model_type=model_type))
+    mx.random.seed(0)
+    lm = language_module.LanguageModel(model_config.text_config, model_config)
+    mx.eval(lm.parameters())
+    caches = importlib.import_module("mlx_vlm.models.cache")
+    row, token = mx.array([[1, 2, 3]]), mx.array([[4]])
+    logits = []
+    for handed in ({}, {"position_ids": mx.arange(3)[None], "rope_deltas": mx.zeros((1, 1), dtype=mx.int32)}):
+        lm._position_ids = lm._rope_deltas = None  # a new (text) generation
+        cache = lm.make_cache() if hasattr(lm, "make_cache") else [caches.KVCache() for _ in lm.layers]
+        lm(row, cache=cache, **handed)
+        decode = {"rope_deltas": handed["rope_deltas"]} if handed else {}
+        logits.append(lm(token, cache=cache, **decode).logits)
+    worst = mx.abs(logits[0] - logits[1]).max().item()
+    if worst > 1e-4:
+        return (f"{model_type} language model prefilled with handed position_ids and rope_deltas "
+                f"decodes its next token {worst:.3g} away from the row prefilled without them "
+                "(its first decode step recomputes positions from 0)")
+    return None
+
+
+def prefill_positions_problem(language_module, model_type: str) -> Optional[str]:
+    """The bugs ``mlx_lm_patches.mechanisms.vlm_positions.prefill_positions_call`` fixes:
+    a batched prefill on mlx-vlm's own (empty) batch caches without positions, or a prefill
+    given positions then decoding, placing tokens elsewhere than the row alone; or None."""
+    return (batched_rows_problem(language_module, model_type, caches="mlx_vlm.models.cache")
+            or handed_positions_decode_problem(language_module, model_type))
 
 
 def gated_delta_advance_problem(language_module) -> Optional[str]:

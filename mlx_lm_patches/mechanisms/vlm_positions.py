@@ -156,3 +156,79 @@ def own_rope_deltas(position_ids, length: int, rope_deltas):
 
     own = position_ids.max().astype(mx.int64) + 1 - length
     return mx.broadcast_to(own, rope_deltas.shape).astype(rope_deltas.dtype)
+
+
+def _attention_batch_cache(cache, rows: int):
+    """The first attention batch cache of ``rows`` rows in ``cache`` (recurrent caches have no
+    ``keys``), or None."""
+    import mlx.core as mx
+
+    for entry in cache or ():
+        padding = getattr(entry, "left_padding", None)
+        if isinstance(padding, mx.array) and hasattr(entry, "keys"):
+            return entry if padding.ndim == 1 and padding.size == rows else None
+    return None
+
+
+def _text_deltas(language_model) -> bool:
+    import mlx.core as mx
+
+    deltas = getattr(language_model, "_rope_deltas", None)
+    return isinstance(deltas, mx.array) and not mx.any(deltas != 0).item()
+
+
+def _vision_token_ids(language_model):
+    config = getattr(language_model, "config", None)
+    names = ("image_token_id", "image_token_index", "video_token_id", "video_token_index")
+    return {int(v) for v in (getattr(config, n, None) for n in names) if isinstance(v, int)}
+
+
+def prefill_positions_call(wrapped, instance, args, kwargs):
+    """Wrapper of ``LanguageModel.__call__(inputs, inputs_embeds=None, mask=None, cache=None,
+    **kwargs)`` of mlx-vlm (>= 0.5)'s Qwen3.5 / Qwen3-VL language models:
+
+    * a ``rope_deltas`` the call is given becomes the model's ``_rope_deltas`` (as from mlx-vlm
+      0.6.5), so the decode steps after a prefill given its positions continue from them
+      instead of recomputing positions from 0;
+    * a prefill of two or more rows that starts on empty batch caches and is given neither
+      ``position_ids`` nor a mask gets each row's own positions (its real tokens at 0 ... n - 1,
+      the left padding before them) and text rows' ``rope_deltas`` 0, so the decode steps
+      (``offset[row] + rope_deltas``) continue where the row alone would. Rows holding image or
+      video tokens are refused there (their positions need the image grids, which this call
+      does not see);
+    * a later chunk of such a prefill (``prefill_step_size``) while some row is still in its
+      padding (a negative offset) gets ``offset[row] + t``: Qwen3.5 clamps the offsets at 0,
+      which moves the rest of that row's prompt.
+
+    Everything else runs the stock code unchanged."""
+    import mlx.core as mx
+
+    call = _bind(args, kwargs, ("inputs", "inputs_embeds", "mask", "cache"))
+    if isinstance(call.get("rope_deltas"), mx.array):
+        instance._rope_deltas = call["rope_deltas"]
+    inputs = call.get("inputs")
+    if (inputs is None or inputs.ndim != 2 or inputs.shape[0] < 2 or call.get("mask") is not None
+            or call.get("position_ids") is not None or call.get("attention_mask") is not None):
+        return wrapped(*args, **kwargs)
+    batch_cache = _attention_batch_cache(call.get("cache"), inputs.shape[0])
+    if batch_cache is None:
+        return wrapped(*args, **kwargs)
+    if batch_cache.keys is not None:
+        # a later prefill chunk of text rows, some still in their padding: positions from the
+        # (negative) offsets as they are (Qwen3.5 clamps them at 0, shifting the rows' tokens)
+        offset = getattr(batch_cache, "offset", None)
+        if inputs.shape[1] > 1 and rope_rows.is_row_offsets(offset) and _text_deltas(instance) \
+                and mx.any(offset < 0).item():
+            return wrapped(*args, **dict(kwargs, position_ids=per_row_position_ids(offset, inputs.shape[1])))
+        return wrapped(*args, **kwargs)
+    padding = batch_cache.left_padding
+    vision = _vision_token_ids(instance)
+    if vision and not vision.isdisjoint(inputs.reshape(-1).tolist()):
+        raise BatchedVisionPositions(
+            "mlx-lm-patches: this mlx-vlm prefills batched image or video prompts at the padded "
+            "batch's positions, not each prompt's own (wrong answers); send such prompts one at "
+            "a time")
+    positions = per_row_position_ids(-padding, inputs.shape[1])
+    instance._position_ids = positions
+    instance._rope_deltas = mx.zeros((inputs.shape[0], 1), dtype=mx.int32)
+    return wrapped(*args, **dict(kwargs, position_ids=positions))

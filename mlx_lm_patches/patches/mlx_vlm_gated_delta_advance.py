@@ -62,4 +62,4 @@ def scenario():
     and 13 tokens batched equal each prompt alone."""
     from mlx_lm_patches.demos.tiny_vlm_models import scenario_outcome
 
-    return scenario_outcome("qwen3_5", only=("mlx-vlm", "mlx-lm"))
+    return scenario_outcome("qwen3_5", only=("mlx-vlm", "mlx-lm"), before_rows=True)

@@ -65,4 +65,4 @@ def scenario():
     ``BatchGenerator`` equal each prompt alone through mlx-vlm's ``generate_step``."""
     from mlx_lm_patches.demos.tiny_vlm_models import scenario_outcome
 
-    return scenario_outcome("qwen3_5", only=("mlx-vlm", "mlx-lm"))
+    return scenario_outcome("qwen3_5", only=("mlx-vlm", "mlx-lm"), before_rows=True)

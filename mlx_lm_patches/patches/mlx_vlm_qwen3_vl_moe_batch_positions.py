@@ -57,4 +57,4 @@ def scenario():
     ``BatchGenerator`` and mlx-lm's equal each prompt alone through mlx-vlm's ``generate_step``."""
     from mlx_lm_patches.demos.tiny_vlm_models import scenario_outcome
 
-    return scenario_outcome("qwen3_vl_moe", only=("mlx-vlm", "mlx-lm"))
+    return scenario_outcome("qwen3_vl_moe", only=("mlx-vlm", "mlx-lm"), before_rows=True)

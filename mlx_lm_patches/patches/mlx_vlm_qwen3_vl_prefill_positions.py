@@ -1,0 +1,70 @@
+"""mlx-vlm (>= 0.5)'s Qwen3-VL language model: each row of a batched prefill at its own positions.
+
+Bug
+    Two ways the rotary positions of a batch drift from each row's own (see
+    ``mlx_lm_patches/mechanisms/vlm_positions.py``, ``prefill_positions_call``):
+
+    * A prefill of left-padded rows on empty batch caches without ``position_ids`` (mlx-vlm's
+      own ``BatchGenerator`` from 0.5.0 to 0.6.3 feeds its rows so, one request per row)
+      computes positions with ``get_rope_index`` on the padded token matrix and no mask: every
+      row gets 0 ... width - 1, so a padded row's prompt sits ``padding`` positions late while
+      its decode steps use its own length (``offset[row] + rope_deltas``, deltas 0): every
+      shorter prompt of a batch is answered wrong from its second token (silently).
+    * A prefill given ``position_ids`` and ``rope_deltas`` (0.6.4's ``BatchGenerator`` hands
+      each row's from ``get_input_embeddings``) leaves ``_rope_deltas`` unset, so the first
+      decode step recomputes positions from 0 and places its token at position 0 (< 0.6.5).
+
+Fix
+    ``LanguageModel.__call__``: a ``rope_deltas`` it is given becomes ``_rope_deltas`` (what
+    0.6.5 does); a batched prefill of two or more rows on empty batch caches with neither
+    ``position_ids`` nor a mask gets each row's own positions (``t - padding[row]``) and
+    ``rope_deltas`` 0; such a prefill whose tokens include image or video placeholders is
+    refused with an error. mlx-vlm's forward runs with them; every other call is stock.
+
+Affected
+    mlx-vlm >= 0.5.0 (the probe decides: a two-layer model prefilling two rows, one padded,
+    on mlx-vlm's caches without positions; or prefilled with handed positions, then one decode
+    step). Measured with tiny models, prompts of 5/9/13 tokens inserted one by one into
+    mlx-vlm's ``BatchGenerator``: wrong on 0.5.0, 0.6.0 and 0.6.4, exact with the fix. From
+    0.6.5 mlx-vlm's own generator hands positions and keeps the deltas (exact stock); the
+    language model without positions is still wrong there (engines that prefill a padded batch
+    themselves).
+
+Upstream
+    https://github.com/Blaizzy/mlx-vlm/blob/v0.6.0/mlx_vlm/models/qwen3_vl/language.py
+    (``LanguageModel.__call__``: ``get_rope_index(inputs, ..., rope_mask)`` with no mask);
+    https://github.com/Blaizzy/mlx-vlm/blob/v0.6.5/mlx_vlm/models/qwen3_vl/language.py
+    (``if rope_deltas_kw is not None: self._rope_deltas = rope_deltas_kw``).
+
+Retire
+    When mlx-vlm's language model builds positions from its batch cache's left padding (as
+    0.6's Qwen3.5 does for its mask), and mlx-vlm < 0.6.5 is no longer supported.
+
+Metal
+    Same modules and kernels as the stock forward; only the position ids differ.
+"""
+
+import sys
+
+from mlx_lm_patches.mechanisms import vlm_positions
+
+MODULE = "mlx_vlm.models.qwen3_vl.language"
+
+
+def apply(p):
+    p.wrap(f"{MODULE}:LanguageModel.__call__", vlm_positions.prefill_positions_call)
+
+
+def probe():
+    from mlx_lm_patches.demos.tiny_vlm_models import prefill_positions_problem
+
+    return prefill_positions_problem(sys.modules[MODULE], "qwen3_vl")
+
+
+def scenario():
+    """A tiny random-weight mlx-vlm Qwen3-VL: prompts of 5, 9 and 13 tokens inserted one by one
+    into mlx-vlm's ``BatchGenerator``, and its language model prefilling a padded batch without
+    positions, equal each prompt alone."""
+    from mlx_lm_patches.demos.tiny_vlm_models import prefill_positions_scenario
+
+    return prefill_positions_scenario(sys.modules[MODULE], "qwen3_vl")
