@@ -191,6 +191,43 @@ def test_rows_prefilled_in_chunks_equal_each_prompt_alone(model_type, request):
     assert vlm.batched_problem(vlm.build(model_type), model_type, run) is None
 
 
+@pytest.mark.parametrize("model_type", vlm.MODEL_TYPES)
+def test_image_rows_inserted_one_by_one_are_exact_or_refused(model_type):
+    """Two image prompts of different lengths and a text prompt, each inserted with its own
+    embeddings into mlx-vlm's ``BatchGenerator`` (as its server inserts requests): each answer
+    equals the prompt alone with its image - or, where mlx-vlm hands the rows no positions
+    (0.5.0 - 0.6.3: the prefill cannot place image tokens), the batch is refused with an error.
+    Refusing where the rows carry their positions fails the test."""
+    import mlx.core as mx
+
+    from mlx_lm_patches.mechanisms.vlm_positions import BatchedVisionPositions
+
+    _prefill_patched_module(model_type)
+    model = vlm.build(model_type, images=True)
+    model.language_model._position_ids = model.language_model._rope_deltas = None
+    ids, pixels, grid = vlm.image_rows(model)[0]
+    embedded = model.get_input_embeddings(mx.array([ids]), pixels, image_grid_thw=grid).to_dict()
+    handed = embedded.get("position_ids") is not None
+    try:
+        problem = vlm.image_rows_problem(model, model_type)
+    except BatchedVisionPositions as refused:
+        assert not handed, f"refused although mlx-vlm hands each row its positions: {refused}"
+        return
+    assert problem is None
+
+
+@pytest.mark.parametrize("model_type,reverted", [(m, [PREFILL[m]]) for m in vlm.MODEL_TYPES], indirect=["reverted"])
+def test_stock_image_rows_are_wrong_where_measured(model_type, reverted, request):
+    """The prefill-positions patch reverted: the image rows are answered wrong on mlx-vlm 0.5.0 -
+    0.6.4 (measured on 0.5.0, 0.6.0 and 0.6.4: strict xfail), exact from 0.6.5."""
+    from packaging.version import Version
+
+    _prefill_patched_module(model_type)
+    if Version(_installed_mlx_vlm()) < Version("0.6.5"):
+        request.applymarker(pytest.mark.xfail(strict=True, reason=f"{PREFILL[model_type]} reverted"))
+    assert vlm.image_rows_problem(vlm.build(model_type, images=True), model_type) is None
+
+
 def test_batched_prefill_of_image_prompts_without_positions_is_refused():
     """mlx-vlm >= 0.5: a batched prefill on empty batch caches, given no positions, whose tokens
     hold an image placeholder raises (the language model cannot place image tokens without the

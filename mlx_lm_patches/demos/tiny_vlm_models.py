@@ -66,19 +66,25 @@ def text_config(model_type: str) -> Dict[str, Any]:
     raise KeyError(model_type)
 
 
-def config(model_type: str) -> Dict[str, Any]:
+# image placeholder tokens inside the tiny vocabulary (the real ones lie far above 256)
+IMAGE_TOKENS = {"image_token_id": 250, "video_token_id": 251, "vision_start_token_id": 248,
+                "vision_end_token_id": 249}
+
+
+def config(model_type: str, images: bool = False) -> Dict[str, Any]:
     return {"model_type": model_type, "vocab_size": 256, "text_config": text_config(model_type),
-            "vision_config": dict(_VISION, model_type=model_type)}
+            "vision_config": dict(_VISION, model_type=model_type), **(IMAGE_TOKENS if images else {})}
 
 
-def build(model_type: str, seed: int = 1):
-    """A tiny random-weight mlx-vlm model (``Model``: vision tower + ``language_model``)."""
+def build(model_type: str, seed: int = 1, images: bool = False):
+    """A tiny random-weight mlx-vlm model (``Model``: vision tower + ``language_model``);
+    ``images``: its image placeholder tokens inside the vocabulary (:data:`IMAGE_TOKENS`)."""
     import mlx.core as mx
     from mlx_vlm.utils import get_model_and_args, update_module_configs
 
     from mlx_lm_patches.demos.tiny_models import _randomize_parameters
 
-    cfg = config(model_type)
+    cfg = config(model_type, images)
     arch, _ = get_model_and_args(cfg)
     model_config = update_module_configs(arch.ModelConfig.from_dict(cfg), arch, cfg, ["text", "vision"])
     mx.random.seed(seed)
@@ -143,6 +149,54 @@ def vlm_batched(model, rows, max_tokens: int = MAX_TOKENS):
         mx.eval(results[uid].logprobs)
         decoded[i] = results[uid]
     return decoded
+
+
+def image_rows(model):
+    """Two image prompts of different lengths (a 4 x 4 patch image: 4 placeholders after the
+    merge) and a text prompt, as (token ids, pixel values, image grid) - pixel values and grid
+    ``None`` for the text row. ``model`` is built with ``images=True``."""
+    import mlx.core as mx
+
+    vision = model.config.vision_config
+    merge, temporal = getattr(vision, "spatial_merge_size", 2), getattr(vision, "temporal_patch_size", 2)
+    width = getattr(vision, "in_channels", 3) * temporal * vision.patch_size ** 2
+    grid = (1, 4, 4)
+    rows = []
+    for seed, prefix in ((1, [1, 2, 3]), (2, list(range(4, 13)))):
+        placeholders = [IMAGE_TOKENS["image_token_id"]] * (grid[0] * grid[1] * grid[2] // merge ** 2)
+        ids = prefix + [IMAGE_TOKENS["vision_start_token_id"]] + placeholders + [IMAGE_TOKENS["vision_end_token_id"], 7, 8]
+        pixels = mx.random.normal((grid[0] * grid[1] * grid[2], width), key=mx.random.key(seed))
+        rows.append((ids, pixels, mx.array([list(grid)])))
+    return rows + [(prompts()[1], None, None)]
+
+
+def image_rows_problem(model, model_type: str, max_tokens: int = MAX_TOKENS) -> Optional[str]:
+    """``None`` if :func:`image_rows`, each inserted with its own embeddings into mlx-vlm
+    (>= 0.5)'s ``BatchGenerator`` (as its server inserts requests), are answered as each alone
+    through ``generate_step`` with its image (greedy tokens, chosen log-probabilities within
+    1e-4); else what differs. Errors the generator raises propagate."""
+    import mlx.core as mx
+    from mlx_vlm.generate import generate_step
+
+    from mlx_lm_patches.demos.scenarios import Decoded
+
+    rows = image_rows(model)
+    language_model = model.language_model
+    reference, kwargs = [], []
+    for ids, pixels, grid in rows:
+        extra = {} if grid is None else {"image_grid_thw": grid}
+        language_model._position_ids = language_model._rope_deltas = None
+        steps = list(generate_step(mx.array([ids]), model, pixels, None, max_tokens=max_tokens, **extra))
+        reference.append(Decoded([int(t) for t, _ in steps], [lp.reshape(-1)[int(t)] for t, lp in steps]))
+        language_model._position_ids = language_model._rope_deltas = None
+        embedded = model.get_input_embeddings(mx.array([ids]), pixels, **extra).to_dict()
+        kwargs.append({k: v for k, v in embedded.items() if v is not None})
+    got = _drive_rows(model, [ids for ids, _, _ in rows], max_tokens, kwargs)
+    for i, (ref, decoded) in enumerate(zip(reference, got)):
+        problem = ref.compare(decoded)
+        if problem:
+            return f"mlx-vlm {model_type}, {'image' if rows[i][1] is not None else 'text'} row {i}: {problem}"
+    return None
 
 
 def takes_rows() -> bool:
