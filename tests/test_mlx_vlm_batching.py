@@ -251,6 +251,44 @@ def test_batched_prefill_of_image_prompts_without_positions_is_refused():
     lm(mx.minimum(tokens, 255), cache=[caches.BatchKVCache([1, 0]) for _ in lm.layers], position_ids=positions)
 
 
+APC = ("mlx-vlm-apc-hybrid-batches-cold", "mlx-vlm-apc-hybrid-hits-refused")
+
+
+def _apc_problem():
+    """:func:`vlm.apc_mixed_prefill_problem` on Qwen3.5 (an error it raises, as text); skips where
+    mlx-vlm has no prefix cache for its BatchGenerator."""
+    import importlib.util
+
+    _skip_unless_driven("qwen3_5")
+    if not vlm.takes_rows() or importlib.util.find_spec("mlx_vlm.apc") is None:
+        pytest.skip("this mlx-vlm has no prefix cache for its BatchGenerator")
+    try:
+        return vlm.apc_mixed_prefill_problem("qwen3_5")
+    except (ValueError, TypeError) as exc:
+        return f"raises {type(exc).__name__}: {exc}"
+
+
+def test_prefix_cache_answers_hybrid_requests_as_without_it():
+    """mlx-vlm's prefix cache (``APCManager``) with a tiny Qwen3.5: a 40-token prompt, then a
+    request sharing 30 of its tokens and one extending it sent together, then an extension of
+    the latter alone - each answered as without the cache. Where requests admitted together
+    are prefilled cold (``mlx-vlm-apc-hybrid-batches-cold``) the last one must still hit."""
+    problem = _apc_problem()
+    states = {r.id: r.state for r in mlx_lm_patches.status()}
+    if states["mlx-vlm-apc-hybrid-batches-cold"] == "applied":
+        assert problem is None
+    else:
+        assert problem in (None, "no hit")
+
+
+@pytest.mark.parametrize("pid,reverted", [pytest.param(pid, [pid], id=pid, marks=xfail_if_affected(pid))
+                                          for pid in APC], indirect=["reverted"])
+def test_stock_prefix_cache_is_wrong_where_affected(pid, reverted):
+    """The patch reverted: requests beside cache hits answered wrong where the matrix says
+    affected."""
+    assert _apc_problem() in (None, "no hit")
+
+
 def test_image_positions_at_different_row_offsets_are_refused():
     """With image/video rotary positions in play (non-zero ``_rope_deltas``), rows at one offset
     run mlx-vlm's own computation; rows at different offsets raise instead of decoding at row
@@ -297,7 +335,8 @@ def test_mlx_vlm_patches_are_decided_when_mlx_vlm_model_code_is_imported():
     assert ran.returncode == 0, ran.stderr[-2000:]
     before, after, status = ran.json()
     expected = {pid: ROWS[pid].state for pid in before}
-    assert set(before) == {*POSITIONS.values(), *PREFILL.values(), "mlx-vlm-gated-delta-advance", *DELTAS.values()}
+    assert set(before) == {*POSITIONS.values(), *PREFILL.values(), "mlx-vlm-gated-delta-advance", *DELTAS.values(),
+                           *APC}
     for pid, state in expected.items():
         if state == "applied":
             assert before[pid] == "pending" and after[pid] == "applied", (pid, before[pid], after[pid])

@@ -199,6 +199,92 @@ def image_rows_problem(model, model_type: str, max_tokens: int = MAX_TOKENS) -> 
     return None
 
 
+def apc_mixed_prefill_problem(model_type: str = "qwen3_5", max_tokens: int = MAX_TOKENS) -> Optional[str]:
+    """mlx-vlm's automatic prefix cache (an ``APCManager`` handed to its ``BatchGenerator``, as
+    its server does with ``APC_ENABLED=1``): a 40-token prompt served alone, then two requests
+    sent together - one sharing its first 30 tokens, one extending it by 10 - then an
+    extension of the latter alone, must each be answered as alone without the cache (greedy
+    tokens, chosen log-probabilities within 1e-4). ``None`` if they are; ``"no hit"`` if the
+    cache was never hit (nothing shown); else what differs."""
+    import inspect
+    import types
+
+    import mlx.core as mx
+    from mlx_vlm import apc
+    from mlx_vlm.utils import StoppingCriteria
+
+    from mlx_lm_patches.demos.scenarios import Decoded, prompt_tokens
+
+    model = build(model_type)
+    language_model = model.language_model
+    first = prompt_tokens(40, seed=3)
+    shared, extended = first[:30] + prompt_tokens(10, seed=4), first + prompt_tokens(10, seed=5)
+    later = extended + prompt_tokens(8, seed=6)  # (the cache keeps few snapshots: the newest)
+    generator_class = _generation_module().BatchGenerator
+    salted = "_apc_semantic_hash" in inspect.getsource(generator_class)  # >= 0.6.17 keys on it
+
+    def answer(generator, rows):
+        kwargs = []
+        for row in rows:
+            language_model._position_ids = language_model._rope_deltas = None
+            kwargs.append(dict(_embeddings(model, mx.array([row])), **({"_apc_semantic_hash": 1} if salted else {})))
+        uids = generator.insert(rows, max_tokens, prompt_kwargs=kwargs)
+        out = {uid: Decoded([], []) for uid in uids}
+        while generator.has_work:
+            for r in generator.next()[1]:
+                out[r.uid].tokens.append(int(r.token))
+                out[r.uid].logprobs.append(mx.array(r.token_logprob))
+        return [out[uid] for uid in uids]
+
+    def reference(row):
+        language_model._position_ids = language_model._rope_deltas = None
+        alone = single(model, row, max_tokens)
+        return type(alone)(alone.tokens, [lp.reshape(-1)[t] for lp, t in zip(alone.logprobs, alone.tokens)])
+
+    manager = apc.APCManager()
+    processor = types.SimpleNamespace(stopping_criteria=StoppingCriteria([], None))
+    generator = generator_class(language_model, processor, max_tokens=max_tokens, prefill_batch_size=2,
+                                completion_batch_size=2, compute_logprobs=True, apc_manager=manager)
+    try:
+        answer(generator, [first])
+        together = answer(generator, [shared, extended])
+        checks = [("sharing 30 tokens", shared, together[0]), ("extending it", extended, together[1]),
+                  ("extending the latter later, alone", later, answer(generator, [later])[0])]
+    finally:
+        if hasattr(generator, "close"):
+            generator.close()
+    for name, row, decoded in checks:
+        problem = reference(row).compare(decoded)
+        if problem:
+            return f"mlx-vlm {model_type} with its prefix cache, the request {name}: {problem}"
+    stats = getattr(manager, "stats", None)
+    hits = sum(getattr(stats, name, 0) or 0 for name in ("exact_hits", "hits"))
+    return None if hits else "no hit"
+
+
+def apc_scenario(model_type: str = "qwen3_5", require_hit: bool = True):
+    """The scenario of the ``mlx-vlm-apc-hybrid-*`` patches: :func:`apc_mixed_prefill_problem`
+    exact; ``require_hit``: a run without a cache hit shows nothing (not applicable), else it
+    passes (no reuse is exact)."""
+    from mlx_lm_patches.engine.contract import Outcome
+
+    if not available(model_type):
+        return Outcome.not_applicable(f"mlx-vlm with {model_type} is not installed")
+    if importlib.util.find_spec("mlx_vlm.apc") is None or not takes_rows():
+        return Outcome.not_applicable("this mlx-vlm has no prefix cache for its BatchGenerator")
+    try:
+        problem = apc_mixed_prefill_problem(model_type)
+    except Exception as exc:
+        return Outcome.failure(f"mlx-vlm {model_type} with its prefix cache", exc)
+    if problem == "no hit" and require_hit:
+        return Outcome.not_applicable(f"this mlx-vlm's prefix cache does not hit a {model_type} prompt here")
+    if problem not in (None, "no hit"):
+        return Outcome.failure(problem)
+    return Outcome(True, f"mlx-vlm {model_type} with its prefix cache: requests sent together beside a hit, and a "
+                         "later request alone, answered as without the cache"
+                         + (" (no hit)" if problem == "no hit" else " (a hit)"))
+
+
 def takes_rows() -> bool:
     """The installed mlx-vlm's ``BatchGenerator`` takes each row with its own prompt tensors
     (``insert(prompts, max_tokens, prompt_kwargs=[...])``, mlx-vlm >= 0.5) rather than one
@@ -587,6 +673,22 @@ def prefill_positions_scenario(language_module, model_type: str):
 # ---------------------------------------------------------------------------------------------
 
 
+def _two_layer_language_model(language_module, model_type: str):
+    """``language_module.LanguageModel`` of the tiny ``model_type`` config with two layers,
+    random init (seed 0)."""
+    import mlx.core as mx
+
+    package = language_module.__name__.rsplit(".", 1)[0]
+    configs = importlib.import_module(f"{package}.config")
+    model_config = configs.ModelConfig.from_dict(config(model_type))
+    model_config.text_config = configs.TextConfig.from_dict(dict(text_config(model_type), num_hidden_layers=2))
+    model_config.vision_config = configs.VisionConfig.from_dict(dict(_VISION, model_type=model_type))
+    mx.random.seed(0)
+    lm = language_module.LanguageModel(model_config.text_config, model_config)
+    mx.eval(lm.parameters())
+    return lm
+
+
 def batched_rows_problem(language_module, model_type: str, caches: str = "mlx_lm.models.cache") -> Optional[str]:
     """Evidence that ``language_module.LanguageModel`` (two layers, random init) decodes two rows
     of a batch cache at different offsets (one left-padded) differently from each row alone - or
@@ -599,14 +701,7 @@ def batched_rows_problem(language_module, model_type: str, caches: str = "mlx_lm
     cache_module = importlib.import_module(caches)
     ArraysCache, BatchKVCache, KVCache = cache_module.ArraysCache, cache_module.BatchKVCache, cache_module.KVCache
 
-    package = language_module.__name__.rsplit(".", 1)[0]
-    configs = importlib.import_module(f"{package}.config")
-    model_config = configs.ModelConfig.from_dict(config(model_type))
-    model_config.text_config = configs.TextConfig.from_dict(dict(text_config(model_type), num_hidden_layers=2))
-    model_config.vision_config = configs.VisionConfig.from_dict(dict(_VISION, model_type=model_type))
-    mx.random.seed(0)
-    lm = language_module.LanguageModel(model_config.text_config, model_config)
-    mx.eval(lm.parameters())
+    lm = _two_layer_language_model(language_module, model_type)
     def make_cache():
         return lm.make_cache() if hasattr(lm, "make_cache") else [KVCache() for _ in lm.layers]
 
@@ -642,14 +737,7 @@ def handed_positions_decode_problem(language_module, model_type: str) -> Optiona
     another position than the row prefilled without them, or None."""
     import mlx.core as mx
 
-    package = language_module.__name__.rsplit(".", 1)[0]
-    configs = importlib.import_module(f"{package}.config")
-    model_config = configs.ModelConfig.from_dict(config(model_type))
-    model_config.text_config = configs.TextConfig.from_dict(dict(text_config(model_type), num_hidden_layers=2))
-    model_config.vision_config = configs.VisionConfig.from_dict(dict(_VISION, model_type=model_type))
-    mx.random.seed(0)
-    lm = language_module.LanguageModel(model_config.text_config, model_config)
-    mx.eval(lm.parameters())
+    lm = _two_layer_language_model(language_module, model_type)
     caches = importlib.import_module("mlx_vlm.models.cache")
     row, token = mx.array([[1, 2, 3]]), mx.array([[4]])
     logits = []

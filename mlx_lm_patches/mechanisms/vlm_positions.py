@@ -232,3 +232,30 @@ def prefill_positions_call(wrapped, instance, args, kwargs):
     instance._position_ids = positions
     instance._rope_deltas = mx.zeros((inputs.shape[0], 1), dtype=mx.int32)
     return wrapped(*args, **dict(kwargs, position_ids=positions))
+
+
+def prefill_positions_patch(module_name: str, model_type: str):
+    """``apply``, ``probe`` and ``scenario`` of a ``mlx-vlm-*-prefill-positions`` patch on the
+    language module ``module_name`` (the tiny ``model_type`` model for probe and scenario)."""
+    import sys
+
+    def apply(p):
+        p.wrap(f"{module_name}:LanguageModel.__call__", prefill_positions_call)
+
+    def probe():
+        """Evidence that a two-layer language model prefilling two rows (one left-padded) on
+        mlx-vlm's empty batch caches without positions, or prefilled with handed positions and
+        then decoding, places a row's token elsewhere than the row alone."""
+        from mlx_lm_patches.demos.tiny_vlm_models import prefill_positions_problem
+
+        return prefill_positions_problem(sys.modules[module_name], model_type)
+
+    def scenario():
+        """The tiny random-weight model: prompts of 5, 9 and 13 tokens inserted one by one into
+        mlx-vlm's ``BatchGenerator``, and its language model prefilling a padded batch without
+        positions, equal each prompt alone."""
+        from mlx_lm_patches.demos.tiny_vlm_models import prefill_positions_scenario
+
+        return prefill_positions_scenario(sys.modules[module_name], model_type)
+
+    return apply, probe, scenario

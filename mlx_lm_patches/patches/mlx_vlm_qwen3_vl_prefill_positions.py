@@ -44,27 +44,6 @@ Metal
     Same modules and kernels as the stock forward; only the position ids differ.
 """
 
-import sys
+from mlx_lm_patches.mechanisms.vlm_positions import prefill_positions_patch
 
-from mlx_lm_patches.mechanisms import vlm_positions
-
-MODULE = "mlx_vlm.models.qwen3_vl.language"
-
-
-def apply(p):
-    p.wrap(f"{MODULE}:LanguageModel.__call__", vlm_positions.prefill_positions_call)
-
-
-def probe():
-    from mlx_lm_patches.demos.tiny_vlm_models import prefill_positions_problem
-
-    return prefill_positions_problem(sys.modules[MODULE], "qwen3_vl")
-
-
-def scenario():
-    """A tiny random-weight mlx-vlm Qwen3-VL: prompts of 5, 9 and 13 tokens inserted one by one
-    into mlx-vlm's ``BatchGenerator``, and its language model prefilling a padded batch without
-    positions, equal each prompt alone."""
-    from mlx_lm_patches.demos.tiny_vlm_models import prefill_positions_scenario
-
-    return prefill_positions_scenario(sys.modules[MODULE], "qwen3_vl")
+apply, probe, scenario = prefill_positions_patch("mlx_vlm.models.qwen3_vl.language", "qwen3_vl")

@@ -1,0 +1,84 @@
+"""mlx-vlm's automatic prefix cache with hybrid models: requests admitted together are prefilled cold.
+
+Bug
+    With an ``APCManager`` (its server: ``APC_ENABLED=1``), mlx-vlm's ``BatchGenerator`` keeps
+    whole-prefix snapshots for models with recurrent layers (its "exact" mode: Qwen3.5 /
+    Qwen3.5-MoE). When several queued requests are admitted together and one of them hits the
+    cache, ``_build_mixed_prompt_batch`` prefills them in one right-padded "mixed" batch on top
+    of the restored states. For Qwen3.5 that batch is wrong: its language model prefills the
+    rows one by one and replaces the cache entries by merged ones that no longer carry the
+    batch's right-padding record (``finalize`` then leaves the padding inside the attention
+    caches, and later chunks fold it into the recurrent states), and on 0.6.x the first token
+    of a row whose prompt ended in an earlier chunk is read from the wrong column. Concurrent
+    requests - the warm one and the cold ones beside it - are answered wrong (silently;
+    0.5.0 crashes on a broadcast instead). One request at a time the cache is exact.
+
+Fix
+    ``BatchGenerator._build_mixed_prompt_batch``: in the "exact" mode, two or more sequences
+    admitted together are not looked up; the call returns ``None``, so mlx-vlm takes its own
+    cold path (one left-padded prefill of the rows, whose prefixes it still stores for later
+    hits). A request admitted alone keeps its cache hit. Exact; the price is no reuse for
+    requests that arrive together.
+
+Affected
+    mlx-vlm >= 0.6.4 (probe: the scenario on a tiny Qwen3.5). Measured on 0.6.4, 0.6.5, 0.6.17 and
+    0.7.10: a 40-token prompt served, then a request sharing 30 of its tokens and one extending
+    it sent together: the extending one off by 0.07 in log-probability (0.6.x) or in its tokens
+    (0.7.10); exact with the fix, and a later request alone still hits. (0.5.0 - 0.6.3, whose
+    reuse is wrong even one request at a time: ``mlx-vlm-apc-hybrid-hits-refused``.)
+
+Upstream
+    https://github.com/Blaizzy/mlx-vlm/blob/v0.7.10/mlx_vlm/generate/ar.py
+    (``BatchGenerator._build_mixed_prompt_batch``, ``PromptProcessingBatch``);
+    https://github.com/Blaizzy/mlx-vlm/blob/v0.7.10/mlx_vlm/models/qwen3_5/language.py
+    (``Qwen3_5Model.__call__``: the row-by-row prefill merging the row caches).
+
+Retire
+    When mlx-vlm's mixed prefill keeps the padding record of hybrid caches (and, on 0.6.x,
+    the logits of rows that end in an earlier chunk).
+
+Metal
+    Only the admission path differs; the prefill is mlx-vlm's own.
+"""
+
+
+def cold_admissions(at_least: int):
+    """Wrapper of ``BatchGenerator._build_mixed_prompt_batch(sequences)``: in the "exact" (hybrid)
+    mode, ``at_least`` or more sequences admitted together are not looked up (``None``: mlx-vlm's
+    cold path)."""
+
+    def wrapper(wrapped, instance, args, kwargs):
+        from mlx_lm_patches.mechanisms.calls import bind_arguments
+
+        sequences = bind_arguments(wrapped, args, kwargs).arguments.get("sequences")
+        if getattr(instance, "apc_mode", None) == "exact" and sequences is not None and len(sequences) >= at_least:
+            return None
+        return wrapped(*args, **kwargs)
+
+    return wrapper
+
+
+def apply(p):
+    # (from 0.6 mlx_vlm.generate forwards BatchGenerator from mlx_vlm.generate.ar: the class is wrapped)
+    p.wrap("mlx_vlm.generate:BatchGenerator._build_mixed_prompt_batch", cold_admissions(2))
+
+
+def probe():
+    """Evidence: a tiny Qwen3.5 whose requests sent together beside a cache hit are answered
+    differently from each alone (or raise)."""
+    from mlx_lm_patches.demos.tiny_vlm_models import apc_mixed_prefill_problem
+
+    try:
+        problem = apc_mixed_prefill_problem("qwen3_5")
+    except (ValueError, TypeError) as exc:
+        return f"mlx-vlm's mixed prefix-cache prefill raises {type(exc).__name__}: {exc}"
+    return None if problem == "no hit" else problem
+
+
+def scenario():
+    """A tiny random-weight mlx-vlm Qwen3.5 with mlx-vlm's prefix cache: a prompt, then two
+    requests sharing or extending it sent together, then an extension alone, each answered as
+    without the cache (the last one a hit)."""
+    from mlx_lm_patches.demos.tiny_vlm_models import apc_scenario
+
+    return apc_scenario("qwen3_5")  # (needs hits-refused: where that applies, no hit: n/a)
