@@ -656,6 +656,10 @@ def prefill_positions_scenario(language_module, model_type: str):
     mlx-vlm's ``BatchGenerator`` equal each prompt alone."""
     from mlx_lm_patches.engine.contract import Outcome
 
+    if language_module is None:
+        return Outcome.not_applicable(f"mlx-vlm with {model_type} is not installed")
+    if not takes_rows():
+        return Outcome.not_applicable("mlx-vlm < 0.5: its batching code is the *-batch-positions patches'")
     problem = prefill_positions_problem(language_module, model_type)
     if problem:
         return Outcome.failure(problem)

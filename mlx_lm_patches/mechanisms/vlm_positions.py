@@ -254,8 +254,11 @@ def prefill_positions_patch(module_name: str, model_type: str):
         """The tiny random-weight model: prompts of 5, 9 and 13 tokens inserted one by one into
         mlx-vlm's ``BatchGenerator``, and its language model prefilling a padded batch without
         positions, equal each prompt alone."""
-        from mlx_lm_patches.demos.tiny_vlm_models import prefill_positions_scenario
+        import importlib
 
-        return prefill_positions_scenario(sys.modules[module_name], model_type)
+        from mlx_lm_patches.demos.tiny_vlm_models import available, prefill_positions_scenario
+
+        module = importlib.import_module(module_name) if available(model_type) else None
+        return prefill_positions_scenario(module, model_type)
 
     return apply, probe, scenario
