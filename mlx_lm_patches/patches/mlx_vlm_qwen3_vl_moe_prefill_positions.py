@@ -1,11 +1,13 @@
 """mlx-vlm (>= 0.5)'s Qwen3-VL-MoE language model (a copy of Qwen3-VL's): each row of a batched prefill at its own positions.
 
-Bug and fix
+Bug
     Those of ``mlx-vlm-qwen3-vl-prefill-positions`` (its docstring has the details), in the
     separate copy of the Qwen3-VL language model that Qwen3-VL-MoE has: a left-padded row of a
     batched prefill without positions placed ``padding`` positions late, and a prefill given
-    positions losing its ``rope_deltas`` for the first decode step (< 0.6.5). The same wrapper
-    of ``LanguageModel.__call__`` (``mechanisms/vlm_positions.py``).
+    positions losing its ``rope_deltas`` for the first decode step (< 0.6.5).
+
+Fix
+    The same wrapper of ``LanguageModel.__call__`` (``mechanisms/vlm_positions.py``).
 
 Affected
     mlx-vlm >= 0.5.0 (the probe decides). Measured with tiny models, prompts of 5/9/13 tokens
