@@ -191,6 +191,18 @@ def test_rows_prefilled_in_chunks_equal_each_prompt_alone(model_type, request):
     assert vlm.batched_problem(vlm.build(model_type), model_type, run) is None
 
 
+def _hands_positions(model):
+    """Whether the installed mlx-vlm's ``get_input_embeddings`` hands an image prompt its
+    positions (``position_ids``): what lets a batched prefill place image tokens (0.6.4 on)."""
+    import mlx.core as mx
+
+    model.language_model._position_ids = model.language_model._rope_deltas = None
+    ids, pixels, grid = vlm.image_rows(model)[0]
+    embedded = model.get_input_embeddings(mx.array([ids]), pixels, image_grid_thw=grid).to_dict()
+    model.language_model._position_ids = model.language_model._rope_deltas = None
+    return embedded.get("position_ids") is not None
+
+
 @pytest.mark.parametrize("model_type", vlm.MODEL_TYPES)
 def test_image_rows_inserted_one_by_one_are_exact_or_refused(model_type):
     """Two image prompts of different lengths and a text prompt, each inserted with its own
@@ -198,16 +210,11 @@ def test_image_rows_inserted_one_by_one_are_exact_or_refused(model_type):
     equals the prompt alone with its image - or, where mlx-vlm hands the rows no positions
     (0.5.0 - 0.6.3: the prefill cannot place image tokens), the batch is refused with an error.
     Refusing where the rows carry their positions fails the test."""
-    import mlx.core as mx
-
     from mlx_lm_patches.mechanisms.vlm_positions import BatchedVisionPositions
 
     _prefill_patched_module(model_type)
     model = vlm.build(model_type, images=True)
-    model.language_model._position_ids = model.language_model._rope_deltas = None
-    ids, pixels, grid = vlm.image_rows(model)[0]
-    embedded = model.get_input_embeddings(mx.array([ids]), pixels, image_grid_thw=grid).to_dict()
-    handed = embedded.get("position_ids") is not None
+    handed = _hands_positions(model)
     try:
         problem = vlm.image_rows_problem(model, model_type)
     except BatchedVisionPositions as refused:
@@ -226,6 +233,49 @@ def test_stock_image_rows_are_wrong_where_measured(model_type, reverted, request
     if Version(_installed_mlx_vlm()) < Version("0.6.5"):
         request.applymarker(pytest.mark.xfail(strict=True, reason=f"{PREFILL[model_type]} reverted"))
     assert vlm.image_rows_problem(vlm.build(model_type, images=True), model_type) is None
+
+
+IMAGES_PATCH = "mlx-vlm-right-padded-rows-left-aligned"
+
+
+@pytest.mark.parametrize("padding_side", [None, "left"], ids=["tokenizer-pads-right", "tokenizer-pads-left"])
+@pytest.mark.parametrize("model_type", vlm.MODEL_TYPES)
+def test_batch_generate_with_images_answers_each_prompt_as_alone_or_refuses(model_type, padding_side):
+    """The user's call: ``mlx_vlm.batch_generate`` with mlx-vlm's own processor (over a locally
+    built tokenizer padding on either side), three prompts with an image (two of one image shape
+    and different lengths, batched together) and a text prompt: each answer equals
+    ``mlx_vlm.generate`` of the prompt alone with its image - or, where mlx-vlm hands the rows
+    no positions (0.5.0 - 0.6.3), the batch is refused with an error naming the limitation."""
+    from mlx_lm_patches.mechanisms.vlm_positions import BatchedVisionPositions
+
+    _skip_unless_driven(model_type)
+    if not vlm.takes_rows():
+        pytest.skip("mlx-vlm < 0.5: batch_generate feeds one padded batch (the mlx-vlm path covers it)")
+    model = vlm.build(model_type, images=True)
+    handed = _hands_positions(model)
+    try:
+        problem = vlm.batch_generate_images_problem(model, model_type, padding_side)
+    except BatchedVisionPositions as refused:
+        assert not handed, f"refused although mlx-vlm hands each row its positions: {refused}"
+        assert "one at a time" in str(refused)
+        return
+    assert problem is None
+
+
+@pytest.mark.parametrize("model_type,reverted", [
+    pytest.param(m, [IMAGES_PATCH], marks=xfail_if_affected(IMAGES_PATCH)) for m in vlm.MODEL_TYPES],
+    indirect=["reverted"])
+def test_stock_batch_generate_with_right_padded_images_is_wrong_where_affected(model_type, reverted):
+    """The fix reverted, a processor padding on the right: wrong where the matrix says this
+    mlx-vlm takes the rows' padding to be on the left (strict xfail), exact where it strips the
+    padding by the mask (0.7) or the other fixes do (0.6.4 - 0.6.14)."""
+    _skip_unless_driven(model_type)
+    if not vlm.takes_rows():
+        pytest.skip("mlx-vlm < 0.5: batch_generate feeds one padded batch")
+    model = vlm.build(model_type, images=True)
+    if not _hands_positions(model):
+        pytest.skip("this mlx-vlm hands image rows no positions: batches of them are refused")
+    assert vlm.batch_generate_images_problem(model, model_type) is None
 
 
 def test_batched_prefill_of_image_prompts_without_positions_is_refused():
@@ -335,7 +385,7 @@ def test_mlx_vlm_patches_are_decided_when_mlx_vlm_model_code_is_imported():
     assert ran.returncode == 0, ran.stderr[-2000:]
     before, after, status = ran.json()
     expected = {pid: ROWS[pid].state for pid in before}
-    assert set(before) == {*POSITIONS.values(), *PREFILL.values(), "mlx-vlm-gated-delta-advance", *DELTAS.values(),
+    assert set(before) == {*POSITIONS.values(), *PREFILL.values(), "mlx-vlm-gated-delta-advance", *DELTAS.values(), IMAGES_PATCH,
                            *APC}
     for pid, state in expected.items():
         if state == "applied":

@@ -182,15 +182,18 @@ def _alphabet(vocab_size: int) -> list[str]:
     return [symbols[ord(c)] for c in order[:room]]
 
 
-def _train_tokenizer(vocab_size: int):
-    """Train the byte-level BPE tokenizer and pad it to ``vocab_size``."""
+def _train_tokenizer(vocab_size: int, extra_specials: tuple = ()):
+    """Train the byte-level BPE tokenizer and pad it to ``vocab_size``, the
+    ``extra_specials`` taking its last ids in their order."""
     from tokenizers import AddedToken, Tokenizer, decoders, models
     from tokenizers import pre_tokenizers, processors, trainers
 
-    if vocab_size < _MIN_VOCAB_SIZE:
+    if vocab_size - len(extra_specials) < _MIN_VOCAB_SIZE:
         raise ValueError(
-            f"vocab_size must be at least {_MIN_VOCAB_SIZE}, got {vocab_size}"
+            f"vocab_size must be at least {_MIN_VOCAB_SIZE + len(extra_specials)}, got {vocab_size}"
         )
+    extra = list(extra_specials)
+    vocab_size -= len(extra)
     alphabet = _alphabet(vocab_size)
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -215,8 +218,12 @@ def _train_tokenizer(vocab_size: int):
             [AddedToken(f"<|reserved_{i}|>", special=True) for i in range(missing)]
         )
     assert tokenizer.get_vocab_size(with_added_tokens=True) == vocab_size
+    if extra:
+        tokenizer.add_special_tokens([AddedToken(t, special=True) for t in extra])
     for i, token in enumerate(SPECIAL_TOKENS):
         assert tokenizer.token_to_id(token) == i
+    for i, token in enumerate(extra):
+        assert tokenizer.token_to_id(token) == vocab_size + i
     return tokenizer
 
 
@@ -226,7 +233,8 @@ def _write_json(path: pathlib.Path, data: Any) -> None:
     )
 
 
-def build_tokenizer_files(folder, vocab_size: int = 256) -> None:
+def build_tokenizer_files(folder, vocab_size: int = 256, extra_specials: tuple = (),
+                          chat_template: str | None = None) -> None:
     """Write a small real tokenizer into ``folder`` (no downloads).
 
     A byte-level BPE model is trained with the ``tokenizers`` library on a
@@ -242,17 +250,21 @@ def build_tokenizer_files(folder, vocab_size: int = 256) -> None:
     ASCII plus newline and tab, and drop other characters when encoding.
     ``vocab_size`` must be at least 30.
 
+    ``extra_specials`` (e.g. a vision model's image placeholder tokens) take
+    the last ids of the vocabulary, in their order; ``chat_template`` replaces
+    the ChatML one.
+
     Writes ``tokenizer.json``, ``tokenizer_config.json`` (class
     ``PreTrainedTokenizerFast``, a ChatML ``chat_template``) and
     ``special_tokens_map.json``.
     """
     folder = pathlib.Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    tokenizer = _train_tokenizer(int(vocab_size))
+    tokenizer = _train_tokenizer(int(vocab_size), tuple(extra_specials))
     tokenizer.save(str(folder / "tokenizer.json"))
 
     added = {}
-    for token in SPECIAL_TOKENS:
+    for token in SPECIAL_TOKENS + tuple(extra_specials):
         added[str(tokenizer.token_to_id(token))] = {
             "content": token,
             "lstrip": False,
@@ -273,7 +285,7 @@ def build_tokenizer_files(folder, vocab_size: int = 256) -> None:
             "add_prefix_space": False,
             "clean_up_tokenization_spaces": False,
             "model_max_length": 131072,
-            "chat_template": CHAT_TEMPLATE,
+            "chat_template": chat_template or CHAT_TEMPLATE,
         },
     )
     _write_json(

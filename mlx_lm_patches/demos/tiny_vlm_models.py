@@ -66,9 +66,11 @@ def text_config(model_type: str) -> Dict[str, Any]:
     raise KeyError(model_type)
 
 
-# image placeholder tokens inside the tiny vocabulary (the real ones lie far above 256)
-IMAGE_TOKENS = {"image_token_id": 250, "video_token_id": 251, "vision_start_token_id": 248,
-                "vision_end_token_id": 249}
+# image placeholder tokens inside the tiny vocabulary (the real ones lie far above 256): its last
+# four ids, where :func:`vision_processor`'s tokenizer puts them
+IMAGE_TOKENS = {"vision_start_token_id": 252, "vision_end_token_id": 253, "image_token_id": 254,
+                "video_token_id": 255}
+VISION_SPECIALS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 
 
 def config(model_type: str, images: bool = False) -> Dict[str, Any]:
@@ -563,6 +565,103 @@ def processor():
         return load_processor(pathlib.Path(folder))
 
 
+# ChatML whose image parts render as Qwen-VL's placeholder (the processor expands it per image)
+VISION_CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
+    "{%- if message['content'] is string -%}{{- message['content'] -}}"
+    "{%- else -%}{%- for part in message['content'] -%}"
+    "{%- if part['type'] == 'text' -%}{{- part['text'] -}}"
+    "{%- elif part['type'] in ('image', 'image_url') -%}{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}"
+    "{%- endif -%}{%- endfor -%}{%- endif -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+# the image processor's settings for :data:`_VISION` (4-pixel patches, 2 x 2 merge): images are
+# resized to multiples of 8 pixels, between 8 x 8 and 32 x 32
+IMAGE_PROCESSOR = {"patch_size": 4, "temporal_patch_size": 2, "merge_size": 2, "min_pixels": 64,
+                   "max_pixels": 1024, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
+
+
+def write_vision_processor_files(folder, model_type: str, padding_side: Optional[str] = None):
+    """The files mlx-vlm's ``load_processor`` reads for ``model_type``'s own (torch-free) Qwen-VL
+    processor, written into ``folder``: a tokenizer built locally with the image placeholder
+    tokens at :data:`IMAGE_TOKENS`, :data:`VISION_CHAT_TEMPLATE`, ``preprocessor_config.json``
+    (:data:`IMAGE_PROCESSOR`) and ``config.json`` (:func:`config` with images). The tokenizer
+    pads on ``padding_side`` (unset: the tokenizer's default, the right, as Qwen's tokenizers)."""
+    import json
+    import pathlib
+
+    from mlx_lm_patches.demos.model_folder import build_tokenizer_files
+
+    folder = pathlib.Path(folder)
+    build_tokenizer_files(folder, 256, VISION_SPECIALS, VISION_CHAT_TEMPLATE)
+    if padding_side is not None:
+        settings = json.loads((folder / "tokenizer_config.json").read_text())
+        settings["padding_side"] = padding_side
+        (folder / "tokenizer_config.json").write_text(json.dumps(settings, indent=2))
+    (folder / "preprocessor_config.json").write_text(json.dumps(IMAGE_PROCESSOR, indent=2))
+    (folder / "config.json").write_text(json.dumps(config(model_type, images=True), indent=2))
+    return folder
+
+
+def vision_processor(model_type: str, padding_side: Optional[str] = None):
+    """mlx-vlm's processor of :func:`write_vision_processor_files` (mlx-vlm's model module is
+    imported first: it registers the processor class ``load_processor`` finds)."""
+    import tempfile
+
+    from mlx_vlm.utils import load_processor
+
+    importlib.import_module(f"mlx_vlm.models.{model_type}")
+    with tempfile.TemporaryDirectory() as folder:
+        return load_processor(write_vision_processor_files(folder, model_type, padding_side))
+
+
+def test_images():
+    """Three small random RGB images (PIL): two of 16 x 16 pixels (4 placeholders each) and one
+    of 16 x 24 (6): ``batch_generate`` batches the two of one shape together."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    return [Image.fromarray(rng.integers(0, 255, shape, dtype=np.uint8))
+            for shape in ((16, 16, 3), (16, 24, 3), (16, 16, 3))]
+
+
+IMAGE_PROMPTS = ("Hi.", "Tell me a story about a cat and a dog, briefly please.",
+                 "One two three four five six seven.", "What is this?")
+
+
+def batch_generate_images_problem(model, model_type, padding_side: Optional[str] = None,
+                                  max_tokens: int = MAX_TOKENS) -> Optional[str]:
+    """``None`` if mlx-vlm's ``batch_generate`` of :data:`IMAGE_PROMPTS` with :func:`test_images`
+    (the first three prompts one image each, the fourth text only; the two 16 x 16 images'
+    prompts of different lengths are batched together) answers each prompt with the text
+    ``mlx_vlm.generate`` gives it alone with its image (greedy; the same chat template both
+    ways); else the first difference. ``model`` is built with ``images=True``; the processor's
+    tokenizer pads on ``padding_side``. Errors ``batch_generate`` raises propagate."""
+    from mlx_vlm.prompt_utils import apply_chat_template
+
+    generation = importlib.import_module("mlx_vlm.generate")
+    proc, images = vision_processor(model_type, padding_side), test_images()
+    language_model = model.language_model
+    language_model._position_ids = language_model._rope_deltas = None
+    batched = generation.batch_generate(model, proc, images=images, prompts=list(IMAGE_PROMPTS),
+                                        max_tokens=max_tokens).texts
+    for i, prompt in enumerate(IMAGE_PROMPTS):
+        image = images[i:i + 1] or None
+        language_model._position_ids = language_model._rope_deltas = None
+        formatted = apply_chat_template(proc, model.config, prompt, num_images=len(image or ()))
+        alone = generation.generate(model, proc, formatted, image=image, max_tokens=max_tokens,
+                                    verbose=False).text
+        if batched[i] != alone:
+            return (f"mlx-vlm {model_type} batch_generate with images ({padding_side or 'default'} "
+                    f"padding), prompt {i} of {len(IMAGE_PROMPTS)} ({'image' if image else 'text'}): "
+                    f"answered {batched[i]!r}, alone {alone!r}")
+    return None
+
+
 def batch_generate_texts_problem(model, model_type, max_tokens: int = MAX_TOKENS) -> Optional[str]:
     """``None`` if mlx-vlm's ``batch_generate`` of :data:`TEXT_PROMPTS` (different lengths)
     answers each prompt with the text ``mlx_vlm.generate`` gives it alone (greedy; the same
@@ -609,6 +708,34 @@ def batch_generate_texts_scenario(model_type: str, padding: Optional[str]):
         return Outcome.failure(problem)
     return Outcome(True, f"mlx-vlm {model_type}: batch_generate answers each prompt as it is answered alone",
                    [f"{len(TEXT_PROMPTS)} text prompts of different lengths, {MAX_TOKENS} tokens each"])
+
+
+def batch_generate_images_scenario(model_type: str, padding: str):
+    """The scenario of a fix of ``batch_generate``'s image rows handed over as ``padding`` (see
+    :func:`batch_generate_padding`), through the user's call: :func:`batch_generate_images_problem`
+    with a processor that pads on the right (the tokenizer's default)."""
+    from mlx_lm_patches.engine.contract import Outcome
+
+    if not available(model_type):
+        return Outcome.not_applicable(f"mlx-vlm with {model_type} is not installed")
+    why = unsupported_api(model_type)
+    if why:
+        return Outcome.not_applicable(why)
+    if not takes_rows():
+        return Outcome.not_applicable("this mlx-vlm's BatchGenerator takes one padded batch (mlx-vlm < 0.5)")
+    handed = batch_generate_padding() or "inserted"
+    if handed != padding:
+        return Outcome.not_applicable(f"this mlx-vlm's batch_generate hands its padded rows over {handed}, "
+                                      "not as this fix is about")
+    try:
+        problem = batch_generate_images_problem(build(model_type, images=True), model_type)
+    except Exception as exc:
+        return Outcome.failure(f"mlx-vlm {model_type} batch_generate with images", exc)
+    if problem:
+        return Outcome.failure(problem)
+    return Outcome(True, f"mlx-vlm {model_type}: batch_generate answers each image prompt as it is answered alone",
+                   [f"{len(IMAGE_PROMPTS)} prompts (3 with an image, two of one shape batched together), "
+                    f"{MAX_TOKENS} tokens each"])
 
 
 def scenario_outcome(model_type: str, only=None, before_rows: bool = False):

@@ -1,4 +1,4 @@
-"""Stripping the processor's padding from the rows mlx-vlm's ``batch_generate`` hands its generator.
+"""The processor's padding in the rows mlx-vlm's ``batch_generate`` hands its generator.
 
 mlx-vlm's ``batch_generate`` (``_generate_batch``) tokenizes its prompts into one padded batch
 (``prepare_inputs``: ``input_ids`` and ``attention_mask``), computes the embeddings of that
@@ -13,6 +13,10 @@ let the generator take each row as it is alone:
 * :func:`inserting_unpadded` (``BatchGenerator.insert``) takes the recorded batch, once: when
   the rows inserted are exactly its ``input_ids``, each row is cut to its real tokens
   (:func:`strip_padding`) before the stock ``insert`` runs.
+
+Where the generator is told each row's padding and takes it to be on the left (mlx-vlm
+0.6.15 - 0.6.17: ``existing_left_padding``), :func:`inserting_left_aligned` instead moves each
+row's padding to its left (:func:`left_align`): the processor pads on its tokenizer's side.
 
 Outside ``_generate_batch``, or for rows that are not the recorded batch, nothing changes.
 """
@@ -117,6 +121,37 @@ def strip_padding(rows, mask, prompt_kwargs):
     return stripped_rows, (stripped_kwargs if prompt_kwargs is not None else None)
 
 
+def left_align(rows, mask, prompt_kwargs):
+    """``(rows, prompt_kwargs)`` with each row's padding (where ``mask`` (B, width) is 0) moved
+    before its real tokens, every sequence-aligned tensor of its kwargs reordered alike: a row
+    padded on the right becomes the left-padded row a generator told ``width - real length`` of
+    left padding expects (its padding masked, its real tokens at the end). Rows already padded
+    on the left, and their kwargs, are passed as they are; the caller's dictionaries are not
+    changed."""
+    import mlx.core as mx
+
+    width = len(rows[0])
+    aligned_rows, aligned_kwargs = [], []
+    for index, (ids, row_mask) in enumerate(zip(rows, mask.tolist())):
+        kwargs = prompt_kwargs[index] if prompt_kwargs is not None else None
+        start, stop = _span(row_mask, index)
+        if stop == width:
+            aligned_rows.append(list(ids))
+            aligned_kwargs.append(kwargs)
+            continue
+        order = list(range(start)) + list(range(stop, width)) + list(range(start, stop))
+        aligned_rows.append([ids[i] for i in order])
+        if kwargs is None:
+            aligned_kwargs.append(None)
+            continue
+        moved = {}
+        for key, value in kwargs.items():
+            axis = _sequence_axis(key, value, width) if isinstance(value, mx.array) else None
+            moved[key] = value if axis is None else mx.take(value, mx.array(order), axis=axis)
+        aligned_kwargs.append(moved)
+    return aligned_rows, (aligned_kwargs if prompt_kwargs is not None else None)
+
+
 def _is_recorded_batch(prompts, batch) -> bool:
     mask, input_ids = batch.mask, batch.input_ids
     if mask is None or input_ids is None or getattr(mask, "ndim", 0) != 2:
@@ -126,17 +161,27 @@ def _is_recorded_batch(prompts, batch) -> bool:
         and len(rows) == mask.shape[0] and rows == input_ids.tolist()
 
 
-def inserting_unpadded(wrapped, instance, args, kwargs):
-    from mlx_lm_patches.mechanisms.calls import bind_arguments
+def _inserting(rearrange):
+    """A wrapper of ``BatchGenerator.insert`` that hands the recorded batch's rows, once, through
+    ``rearrange(rows, mask, prompt_kwargs)``."""
 
-    batch = _SCOPE.get()
-    if batch is None or batch.mask is None:
-        return wrapped(*args, **kwargs)
-    call = bind_arguments(wrapped, args, kwargs)
-    prompts, prompt_kwargs = call.arguments.get("prompts"), call.arguments.get("prompt_kwargs")
-    mask, recorded = batch.mask, _is_recorded_batch(prompts, batch)
-    batch.mask = None  # taken once
-    if recorded and (prompt_kwargs is None or len(prompt_kwargs) == len(prompts)):
-        call.arguments["prompts"], call.arguments["prompt_kwargs"] = strip_padding(
-            [list(row) for row in prompts], mask, prompt_kwargs)
-    return wrapped(*call.args, **call.kwargs)
+    def inserting(wrapped, instance, args, kwargs):
+        from mlx_lm_patches.mechanisms.calls import bind_arguments
+
+        batch = _SCOPE.get()
+        if batch is None or batch.mask is None:
+            return wrapped(*args, **kwargs)
+        call = bind_arguments(wrapped, args, kwargs)
+        prompts, prompt_kwargs = call.arguments.get("prompts"), call.arguments.get("prompt_kwargs")
+        mask, recorded = batch.mask, _is_recorded_batch(prompts, batch)
+        batch.mask = None  # taken once
+        if recorded and (prompt_kwargs is None or len(prompt_kwargs) == len(prompts)):
+            call.arguments["prompts"], call.arguments["prompt_kwargs"] = rearrange(
+                [list(row) for row in prompts], mask, prompt_kwargs)
+        return wrapped(*call.args, **call.kwargs)
+
+    return inserting
+
+
+inserting_unpadded = _inserting(strip_padding)
+inserting_left_aligned = _inserting(left_align)
