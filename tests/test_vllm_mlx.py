@@ -213,6 +213,12 @@ def test_enable_mtp_answers_equal_greedy(family, tmp_path_factory):
 VISION_PATCH = "vllm-mlx-qwen3-5-attention-kept"
 
 
+def tiny_vlm_model_types():
+    from mlx_lm_patches.demos import tiny_vlm_models
+
+    return tiny_vlm_models.MODEL_TYPES
+
+
 @pytest.mark.parametrize("model_type", tiny_vllm_mlx.MODEL_TYPES)
 def test_vision_engine_text_requests_equal_each_alone(model_type):
     """vllm-mlx's ``MLLMBatchGenerator`` (what it serves vision-language checkpoints with) on a
@@ -224,6 +230,21 @@ def test_vision_engine_text_requests_equal_each_alone(model_type):
     if not tiny_vllm_mlx.available(model_type):
         pytest.skip(f"mlx-vlm's {model_type} or vllm-mlx's vision engine is not installed")
     assert tiny_vllm_mlx.batched_problem(tiny_vlm_models.build(model_type), model_type) is None
+
+
+@pytest.mark.parametrize("model_type", tiny_vlm_model_types())
+def test_vision_engine_image_requests_equal_each_alone(model_type):
+    """vllm-mlx's ``MLLMBatchGenerator`` with mlx-vlm's own processor (over a locally built
+    tokenizer): three chat requests with an image each (base64 data URLs, as an OpenAI client
+    sends them; prompts of different lengths) and a text request sent at once: each request's
+    greedy tokens and log-probabilities (within 1e-4) equal its prompt and image alone through
+    mlx-vlm's ``generate_step``."""
+    from mlx_lm_patches.demos import tiny_vlm_models
+
+    if not tiny_vllm_mlx.available(model_type):
+        pytest.skip(f"mlx-vlm's {model_type} or vllm-mlx's vision engine is not installed")
+    model = tiny_vlm_models.build(model_type, images=True)
+    assert tiny_vllm_mlx.image_requests_problem(model, model_type) is None
 
 
 @pytest.mark.subprocess
@@ -239,6 +260,109 @@ def test_stock_vision_engine_is_wrong_where_affected(pid):
     """, env={"MLX_LM_PATCHES_DISABLE": pid}, timeout=600)
     assert ran.returncode == 0, ran.stderr[-3000:]
     assert json.loads(ran.stdout.strip().splitlines()[-1]) is None
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize("pid", [pytest.param(VISION_PATCH, marks=xfail_if_affected(VISION_PATCH))])
+def test_stock_vision_engine_image_requests_are_wrong_where_affected(pid):
+    """The image requests of ``test_vision_engine_image_requests_equal_each_alone`` on Qwen3.5
+    without the patch (fresh interpreter): a strict xfail where the matrix says the installed
+    vllm-mlx is affected."""
+    ran = run_python("""
+        import json
+        from mlx_lm_patches.demos import tiny_vlm_models, tiny_vllm_mlx
+        model = tiny_vlm_models.build("qwen3_5", images=True)
+        print(json.dumps(tiny_vllm_mlx.image_requests_problem(model, "qwen3_5")))
+    """, env={"MLX_LM_PATCHES_DISABLE": pid}, timeout=600)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert json.loads(ran.stdout.strip().splitlines()[-1]) is None
+
+
+IMAGE_CHAT_TOKENS = 24  # long enough for the concurrent chats' decoding to overlap
+IMAGE_CHAT_ROUNDS = 3  # the chats are sent at once this many times: whether the server batches
+# them depends on when they arrive, so a round may run them one after another
+
+
+def _image_chats_served(folder, env):
+    """:func:`tiny_vllm_mlx.image_requests` as OpenAI chats (images as base64 data URLs) sent
+    concurrently by the ``openai`` client to ``python -m vllm_mlx.server --continuous-batching``
+    serving ``folder``, :data:`IMAGE_CHAT_ROUNDS` times; the answers of each round, in order,
+    and the server's log tail."""
+    from support.server import serve
+
+    def chat(text, images):
+        if not images:
+            return [{"role": "user", "content": text}]
+        parts = [{"type": "image_url", "image_url": {"url": tiny_vllm_mlx.image_data_url(i)}} for i in images]
+        return [{"role": "user", "content": parts + [{"type": "text", "text": text}]}]
+
+    items = tiny_vllm_mlx.image_requests()
+    with serve(folder, "--continuous-batching", "--max-tokens", str(IMAGE_CHAT_TOKENS), env=env,
+               entry=("-m", "vllm_mlx.server")) as server:
+        client = server.client()
+        (served,) = [m.id for m in client.models.list().data]
+
+        def ask(item):
+            reply = client.chat.completions.create(model=served, messages=chat(*item),
+                                                   max_tokens=IMAGE_CHAT_TOKENS, temperature=0.0)
+            return reply.choices[0].message.content
+
+        rounds = []
+        with ThreadPoolExecutor(len(items)) as pool:
+            for _ in range(IMAGE_CHAT_ROUNDS):
+                rounds.append(list(pool.map(ask, items)))
+        return rounds, server.log_tail()
+
+
+def _image_chats_problem(model_type, root, env):
+    """``None`` if in every round each image chat served at once is answered as
+    ``mlx_vlm.generate`` answers its prompt and image alone (as the server returns text:
+    vllm-mlx's ``clean_output_text`` of it)."""
+    import importlib
+
+    from mlx_vlm.prompt_utils import apply_chat_template
+    from vllm_mlx.api.utils import clean_output_text
+
+    from mlx_lm_patches.demos import tiny_vlm_models
+
+    generation = importlib.import_module("mlx_vlm.generate")
+    folder, model = tiny_vlm_models.write_model_folder(os.path.join(root, "model"), model_type)
+    processor = tiny_vlm_models.vision_processor(model_type)
+    want = []
+    for text, images in tiny_vllm_mlx.image_requests():
+        model.language_model._position_ids = model.language_model._rope_deltas = None
+        formatted = apply_chat_template(processor, model.config, text, num_images=len(images or ()))
+        want.append(clean_output_text(generation.generate(model, processor, formatted, image=images,
+                                                          max_tokens=IMAGE_CHAT_TOKENS, verbose=False).text))
+    rounds, tail = _image_chats_served(folder, env)
+    for number, got in enumerate(rounds):
+        for i, (ref, text) in enumerate(zip(want, got)):
+            if text != ref:
+                return json.dumps({"round": number, "request": i, "want": ref, "got": text, "log": tail[-2000:]})
+    return None
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize("model_type", ["qwen3_5"])
+def test_server_image_chats_equal_each_alone(model_type, tmp_path):
+    """``python -m vllm_mlx.server --continuous-batching`` on a tiny Qwen3.5 vision-language
+    folder (mlx-vlm layout, its own processor over a locally built tokenizer), three chats with
+    an image each (different lengths) and a text chat sent concurrently by the ``openai``
+    client: each answer equals ``mlx_vlm.generate`` of its prompt and image alone."""
+    if not tiny_vllm_mlx.available(model_type):
+        pytest.skip(f"mlx-vlm's {model_type} or vllm-mlx's vision engine is not installed")
+    assert _image_chats_problem(model_type, str(tmp_path), clean_env(HF_HUB_OFFLINE="1")) is None
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize("pid", [pytest.param(VISION_PATCH, marks=xfail_if_affected(VISION_PATCH))])
+def test_stock_server_image_chats_are_wrong_where_affected(pid, tmp_path):
+    """The same chats with the server's vllm-mlx patch disabled (``MLX_LM_PATCHES_DISABLE``): a
+    strict xfail where the matrix says the installed vllm-mlx is affected."""
+    if not tiny_vllm_mlx.available("qwen3_5"):
+        pytest.skip("mlx-vlm's qwen3_5 or vllm-mlx's vision engine is not installed")
+    env = clean_env(HF_HUB_OFFLINE="1", MLX_LM_PATCHES_DISABLE=pid)
+    assert _image_chats_problem("qwen3_5", str(tmp_path), env) is None
 
 
 @pytest.mark.subprocess

@@ -57,25 +57,24 @@ def prompts() -> List[List[int]]:
     return [prompt_tokens(n, seed=n) for n in PROMPT_LENGTHS]
 
 
-def mllm_batched(model, rows, max_tokens: int = MAX_TOKENS):
-    """``rows`` (token ids) sent at once to vllm-mlx's ``MLLMBatchGenerator``, greedy; one
-    :class:`~mlx_lm_patches.demos.scenarios.Decoded` per row, in order."""
-    import mlx.core as mx
-    from vllm_mlx.mllm_batch_generator import MLLMBatchGenerator, MLLMBatchRequest
+def _generator(model, processor, size: int, max_tokens: int):
+    from vllm_mlx.mllm_batch_generator import MLLMBatchGenerator
 
+    return MLLMBatchGenerator(model, processor=processor, max_tokens=max_tokens, stop_tokens=set(),
+                              prefill_batch_size=size, completion_batch_size=size,
+                              enable_vision_cache=False)
+
+
+def _decoded(generator, requests, max_tokens: int):
+    """``requests`` inserted at once into ``generator`` and decoded to the end, greedy; one
+    :class:`~mlx_lm_patches.demos.scenarios.Decoded` per request, in order."""
     from mlx_lm_patches.demos.scenarios import Decoded
 
-    generator = MLLMBatchGenerator(model, processor=None, max_tokens=max_tokens, stop_tokens=set(),
-                                   prefill_batch_size=len(rows), completion_batch_size=len(rows),
-                                   enable_vision_cache=False)
     try:
-        requests = [MLLMBatchRequest(uid=-1, request_id=f"row{i}", prompt="", max_tokens=max_tokens,
-                                     temperature=0.0, top_p=1.0, input_ids=mx.array([row]))
-                    for i, row in enumerate(rows)]
         generator.insert(requests)
         decoded = {request.request_id: Decoded([], []) for request in requests}
         finished = set()
-        for _ in range(len(rows) * (max_tokens + 2) + 8):  # bounded: each step yields a token per row
+        for _ in range(len(requests) * (max_tokens + 2) + 8):  # bounded: each step yields a token per row
             for response in generator.next():
                 if response.request_id in finished:
                     continue
@@ -84,15 +83,92 @@ def mllm_batched(model, rows, max_tokens: int = MAX_TOKENS):
                 row.logprobs.append(response.logprobs.reshape(-1))
                 if response.finish_reason is not None:
                     finished.add(response.request_id)
-            if len(finished) == len(rows):
+            if len(finished) == len(requests):
                 break
         else:
-            raise RuntimeError(f"MLLMBatchGenerator finished {len(finished)} of {len(rows)} requests")
+            raise RuntimeError(f"MLLMBatchGenerator finished {len(finished)} of {len(requests)} requests")
         return [decoded[request.request_id] for request in requests]
     finally:
         close = getattr(generator, "close", None)
         if callable(close):
             close()
+
+
+def mllm_batched(model, rows, max_tokens: int = MAX_TOKENS):
+    """``rows`` (token ids) sent at once to vllm-mlx's ``MLLMBatchGenerator``, greedy; one
+    :class:`~mlx_lm_patches.demos.scenarios.Decoded` per row, in order."""
+    import mlx.core as mx
+    from vllm_mlx.mllm_batch_generator import MLLMBatchRequest
+
+    requests = [MLLMBatchRequest(uid=-1, request_id=f"row{i}", prompt="", max_tokens=max_tokens,
+                                 temperature=0.0, top_p=1.0, input_ids=mx.array([row]))
+                for i, row in enumerate(rows)]
+    return _decoded(_generator(model, None, len(rows), max_tokens), requests, max_tokens)
+
+
+def image_data_url(image) -> str:
+    """A PIL image as the ``data:image/png;base64,...`` URL an OpenAI client sends (PNG: lossless)."""
+    import base64
+    import io
+
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def image_requests() -> List[tuple]:
+    """:data:`~mlx_lm_patches.demos.tiny_vlm_models.IMAGE_PROMPTS` as ``(text, images)``: the
+    first three with one of :func:`~mlx_lm_patches.demos.tiny_vlm_models.test_images` each,
+    the fourth text only."""
+    images = vlm.test_images()
+    return [(text, images[i:i + 1] or None) for i, text in enumerate(vlm.IMAGE_PROMPTS)]
+
+
+def alone_with_images(model, processor, text, images, max_tokens: int = MAX_TOKENS):
+    """``text`` (chat-formatted) with its ``images`` alone through mlx-vlm's ``generate_step``,
+    greedy, from mlx-vlm's ``prepare_inputs``: the reference."""
+    from mlx_vlm.generate import generate_step
+    from mlx_vlm.prompt_utils import apply_chat_template
+    from mlx_vlm.utils import prepare_inputs
+
+    from mlx_lm_patches.demos.scenarios import Decoded
+
+    formatted = apply_chat_template(processor, model.config, text, num_images=len(images or ()))
+    inputs = prepare_inputs(processor, images=images, prompts=formatted)
+    extra = {k: v for k, v in inputs.items() if k not in ("input_ids", "pixel_values", "attention_mask")}
+    model.language_model._position_ids = model.language_model._rope_deltas = None
+    steps = list(generate_step(inputs["input_ids"], model, inputs.get("pixel_values"),
+                               inputs.get("attention_mask"), max_tokens=max_tokens, **extra))
+    model.language_model._position_ids = model.language_model._rope_deltas = None
+    return Decoded([int(t) for t, _ in steps], [lp.reshape(-1) for _, lp in steps])
+
+
+def image_requests_problem(model, model_type: str, max_tokens: int = MAX_TOKENS) -> Optional[str]:
+    """``None`` if :func:`image_requests` sent at once to vllm-mlx's ``MLLMBatchGenerator`` (chat
+    prompts, images as base64 data URLs, mlx-vlm's own processor over a locally built
+    tokenizer: :func:`~mlx_lm_patches.demos.tiny_vlm_models.vision_processor`) are each answered
+    as alone (:func:`alone_with_images`); else what differs. ``model`` is built with
+    ``images=True``."""
+    from mlx_vlm.prompt_utils import apply_chat_template
+    from vllm_mlx.mllm_batch_generator import MLLMBatchRequest
+
+    processor = vlm.vision_processor(model_type)
+    items = image_requests()
+    reference = [alone_with_images(model, processor, text, images, max_tokens) for text, images in items]
+    requests = [MLLMBatchRequest(uid=-1, request_id=f"request{i}", max_tokens=max_tokens,
+                                 temperature=0.0, top_p=1.0,
+                                 prompt=apply_chat_template(processor, model.config, text,
+                                                            num_images=len(images or ())),
+                                 images=[image_data_url(image) for image in images] if images else None)
+                for i, (text, images) in enumerate(items)]
+    with attention_as_found():
+        got = _decoded(_generator(model, processor, len(requests), max_tokens), requests, max_tokens)
+    for i, (ref, decoded) in enumerate(zip(reference, got)):
+        problem = ref.compare(decoded)
+        if problem:
+            kind = "image" if items[i][1] else "text"
+            return f"vllm-mlx MLLMBatchGenerator, mlx-vlm {model_type}, {kind} request {i}: {problem}"
+    return None
 
 
 def batched_problem(model, model_type: str) -> Optional[str]:

@@ -606,6 +606,25 @@ def write_vision_processor_files(folder, model_type: str, padding_side: Optional
     return folder
 
 
+def write_model_folder(folder, model_type: str, seed: int = 1):
+    """A tiny mlx-vlm ``model_type`` with image tokens (:func:`build` ``images=True``) written as
+    a model folder ``mlx_vlm.load`` (and servers built on it) reads: its weights in MLX layout
+    (``model.safetensors``, loaded back unchanged) beside :func:`write_vision_processor_files`.
+    Returns the folder and the in-memory model."""
+    import pathlib
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    folder = pathlib.Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    write_vision_processor_files(folder, model_type)
+    model = build(model_type, seed=seed, images=True)
+    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())),
+                        metadata={"format": "mlx"})
+    return folder, model
+
+
 def vision_processor(model_type: str, padding_side: Optional[str] = None):
     """mlx-vlm's processor of :func:`write_vision_processor_files` (mlx-vlm's model module is
     imported first: it registers the processor class ``load_processor`` finds)."""
