@@ -208,6 +208,37 @@ def test_enable_mtp_answers_equal_greedy(family, tmp_path_factory):
         assert got == ref.tokens, (len(prompt), got, ref.tokens, answer.mtp_drafts)
 
 
+MTP_FORWARD_PATCH = "vllm-mlx-qwen3-5-mtp-forward-kept"
+
+
+def test_vision_engine_enable_mtp_answers_equal_greedy(tmp_path):
+    """vllm-mlx's own MTP on its vision engine (``SchedulerConfig(enable_mtp=True)``, its
+    ``--enable-mtp``) over a tiny mlx-vlm Qwen3.5 folder carrying its ``model-mtp.safetensors``:
+    three image requests and a text request sent at once give each request's greedy tokens
+    alone through mlx-vlm's ``generate_step``, and the head drafts (every draft is verified and,
+    the head's weights being random, rolled back)."""
+    if not tiny_vllm_mlx.available("qwen3_5"):
+        pytest.skip("mlx-vlm's qwen3_5 or vllm-mlx's vision engine is not installed")
+    problem, stats = tiny_vllm_mlx.enable_mtp_problem(str(tmp_path))
+    assert problem is None
+    assert stats.get("attempted", 0) > 0 and stats.get("errors") == 0, stats
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize("pid", [pytest.param(MTP_FORWARD_PATCH, marks=xfail_if_affected(MTP_FORWARD_PATCH))])
+def test_stock_vision_engine_enable_mtp_is_wrong_where_affected(pid, tmp_path):
+    """The same without the patch (fresh interpreter, ``MLX_LM_PATCHES_DISABLE``): vllm-mlx's
+    injected forward drops the images - a strict xfail where the matrix says the installed
+    vllm-mlx is affected."""
+    ran = run_python(f"""
+        import json
+        from mlx_lm_patches.demos import tiny_vllm_mlx
+        print(json.dumps(tiny_vllm_mlx.enable_mtp_problem({str(tmp_path)!r})[0]))
+    """, env={"MLX_LM_PATCHES_DISABLE": pid}, timeout=600)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert json.loads(ran.stdout.strip().splitlines()[-1]) is None
+
+
 # -- the vision engine (MLLMBatchGenerator over an mlx-vlm model) ------------------------------
 
 VISION_PATCH = "vllm-mlx-qwen3-5-attention-kept"

@@ -248,3 +248,123 @@ def attention_replacement_problem(vllm_patch_module) -> Optional[str]:
         return (f"vllm-mlx's replacement of mlx-vlm's Qwen3_5Attention.__call__ decodes a row with two "
                 f"tokens of left padding differently from mlx-vlm's own attention (max |diff| {gap:.3g})")
     return None
+
+
+# -- vllm-mlx's own --enable-mtp on a vision-language checkpoint ----------------------------------
+
+MTP_TOKENS = 16
+
+
+def write_mtp_sidecar(folder, model_type: str = "qwen3_5", seed: int = 7):
+    """vllm-mlx's ``model-mtp.safetensors`` for a tiny mlx-vlm folder (``tiny_vlm_models.write_model_folder``):
+    a Qwen3.5 MTP head (built by this package's head builder over mlx-lm's model of the same text
+    config: the names vllm-mlx's ``inject_mtp_support`` loads) with random float32 weights under
+    ``mtp.``, and ``text_config.mtp_num_hidden_layers = 1`` in ``config.json``."""
+    import json
+    import pathlib
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from mlx_lm_patches.demos.mtp_checkpoints import _random_like
+    from mlx_lm_patches.mechanisms.mtp.heads import build
+
+    folder = pathlib.Path(folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["text_config"]["mtp_num_hidden_layers"] = 1
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    family = importlib.import_module(f"mlx_lm.models.{model_type}")
+    head = build(family.Model(family.ModelArgs.from_dict(config)), 1, config)
+    weights = _random_like(dict(tree_flatten(head.parameters())), seed=seed)
+    mx.save_safetensors(str(folder / "model-mtp.safetensors"),
+                        {f"mtp.{k}": v.astype(mx.float32) for k, v in weights.items()})
+    return config
+
+
+def mtp_forward_problem(inject_module) -> Optional[str]:
+    """Evidence that vllm-mlx's ``inject_mtp_support`` (``inject_module``) makes a tiny mlx-vlm
+    Qwen3.5's language model ignore the embeddings it is handed (how mlx-vlm passes image
+    features): after the injection, a call given ``inputs_embeds`` other than the tokens' own
+    embeddings returns other logits than mlx-vlm's own forward. ``None`` where they agree."""
+    import tempfile
+
+    import mlx.core as mx
+    from mlx_vlm.models.cache import make_prompt_cache
+
+    with tempfile.TemporaryDirectory() as root:
+        folder, model = vlm.write_model_folder(f"{root}/model", "qwen3_5")
+        config = write_mtp_sidecar(folder)
+        language_model = model.language_model
+        own = type(language_model)
+        tokens = mx.array([[5, 6, 7, 8]])
+        embeddings = language_model.model.embed_tokens(tokens) * 2.0
+        language_model._position_ids = language_model._rope_deltas = None
+        expected = own.__call__(language_model, tokens, inputs_embeds=embeddings,
+                                cache=make_prompt_cache(language_model)).logits
+        if not inject_module.inject_mtp_support(model, folder, config):
+            return None  # (this vllm-mlx injects nothing here: nothing to fix)
+        language_model._position_ids = language_model._rope_deltas = None
+        out = language_model(tokens, inputs_embeds=embeddings, cache=make_prompt_cache(language_model))
+        got = getattr(out, "logits", out[0] if isinstance(out, tuple) else out)
+        gap = mx.abs(expected - got).max().item()
+    if gap > 1e-5:
+        return (f"vllm-mlx's inject_mtp_support swaps mlx-vlm's Qwen3.5 language model for a forward "
+                f"that ignores the inputs_embeds it is given (max |logit diff| {gap:.3g})")
+    return None
+
+
+def engine_answers(folder, items, max_tokens: int, **engine_options):
+    """``items`` (``(chat-formatted prompt, image data URLs or None)``) sent at once to a started
+    vllm-mlx ``BatchedEngine(folder, **engine_options)``; its outputs, in order, and its stats.
+    ``mlx_lm.generate.generation_stream`` (which the engine points at its worker's stream) is
+    put back afterwards."""
+    import asyncio
+
+    from vllm_mlx.engine.batched import BatchedEngine
+
+    module = importlib.import_module("mlx_lm.generate")
+
+    async def run():
+        engine = BatchedEngine(str(folder), **engine_options)
+        await engine.start()
+        try:
+            outputs = await asyncio.gather(*(
+                engine.generate(prompt=prompt, images=images, max_tokens=max_tokens, temperature=0.0)
+                for prompt, images in items))
+            return outputs, engine.get_stats()
+        finally:
+            await engine.stop()
+
+    stream = module.generation_stream
+    try:
+        return asyncio.run(run())
+    finally:
+        module.generation_stream = stream
+
+
+def enable_mtp_problem(root, model_type: str = "qwen3_5", max_tokens: int = MTP_TOKENS):
+    """``(problem or None, MTP stats)``: :func:`image_requests` sent at once to vllm-mlx's engine
+    with its own MTP on (``SchedulerConfig(enable_mtp=True)``, ``--enable-mtp``) over a tiny
+    mlx-vlm folder carrying vllm-mlx's ``model-mtp.safetensors`` (:func:`write_mtp_sidecar`);
+    each request's greedy tokens against :func:`alone_with_images`."""
+    from mlx_vlm.prompt_utils import apply_chat_template
+    from vllm_mlx.scheduler import SchedulerConfig
+
+    folder, model = vlm.write_model_folder(f"{root}/model", model_type)
+    write_mtp_sidecar(folder, model_type)
+    processor = vlm.vision_processor(model_type)
+    items = image_requests()
+    reference = [alone_with_images(model, processor, text, images, max_tokens) for text, images in items]
+    sent = [(apply_chat_template(processor, model.config, text, num_images=len(images or ())),
+             [image_data_url(image) for image in images] if images else None) for text, images in items]
+    with attention_as_found():
+        outputs, stats = engine_answers(folder, sent, max_tokens,
+                                        scheduler_config=SchedulerConfig(enable_mtp=True))
+    mtp = (stats or {}).get("mtp") or {}
+    for i, (ref, output) in enumerate(zip(reference, outputs)):
+        got = [int(t) for t in output.tokens]
+        if got != ref.tokens[:len(got)] or (len(got) < len(ref.tokens) and output.finish_reason != "stop"):
+            kind = "image" if items[i][1] else "text"
+            return (f"vllm-mlx --enable-mtp, mlx-vlm {model_type}, {kind} request {i}: tokens {got}, "
+                    f"alone {ref.tokens}"), mtp
+    return None, mtp
