@@ -14,7 +14,6 @@ mlx-lm is affected (qwen3_5 masks its padding and needs ``batch-mask-lengths``; 
 recurrent layers ignore padding and need ``batch-prefill-per-row``).
 """
 
-import asyncio
 import importlib.util
 import json
 import os
@@ -80,28 +79,8 @@ def folder(request, tmp_path_factory):
 
 def _engine_answers(path, prompts, **engine_options):
     """Every prompt (token ids) sent at once to a started ``BatchedEngine(path,
-    **engine_options)``; its outputs.
-
-    The engine points ``mlx_lm.generate.generation_stream`` at a stream of its worker thread and
-    leaves it there when it stops; it is put back afterwards so this thread can generate again."""
-    from vllm_mlx.engine.batched import BatchedEngine
-
-    module = importlib.import_module("mlx_lm.generate")  # (``mlx_lm.generate`` the attribute is a function)
-
-    async def run():
-        engine = BatchedEngine(str(path), **engine_options)
-        await engine.start()
-        try:
-            return await asyncio.gather(*(engine.generate(prompt=list(p), max_tokens=MAX_TOKENS, temperature=0.0)
-                                          for p in prompts))
-        finally:
-            await engine.stop()
-
-    stream = module.generation_stream
-    try:
-        return asyncio.run(run())
-    finally:
-        module.generation_stream = stream
+    **engine_options)``; its outputs (``tiny_vllm_mlx.engine_answers``)."""
+    return tiny_vllm_mlx.engine_answers(path, [(list(p), None) for p in prompts], MAX_TOKENS, **engine_options)[0]
 
 
 def _problem(folder, prompts, answers):

@@ -701,10 +701,9 @@ def batch_generate_texts_problem(model, model_type, max_tokens: int = MAX_TOKENS
     return None
 
 
-def batch_generate_texts_scenario(model_type: str, padding: Optional[str]):
-    """The scenario of a fix of ``batch_generate``'s padded rows handed over as ``padding`` (see
-    :func:`batch_generate_padding`; ``"inserted"`` for ``None``), through the user's call:
-    :func:`batch_generate_texts_problem`."""
+def _batch_generate_inapplicable(model_type: str, padding: Optional[str]):
+    """A "not applicable" outcome where the installed mlx-vlm's ``batch_generate`` is not the
+    hand-over ``padding`` names (or cannot be driven), else ``None``."""
     from mlx_lm_patches.engine.contract import Outcome
 
     if not available(model_type):
@@ -718,6 +717,18 @@ def batch_generate_texts_scenario(model_type: str, padding: Optional[str]):
     if handed != padding:
         return Outcome.not_applicable(f"this mlx-vlm's batch_generate hands its padded rows over {handed}, "
                                       "not as this fix is about")
+    return None
+
+
+def batch_generate_texts_scenario(model_type: str, padding: Optional[str]):
+    """The scenario of a fix of ``batch_generate``'s padded rows handed over as ``padding`` (see
+    :func:`batch_generate_padding`; ``"inserted"`` for ``None``), through the user's call:
+    :func:`batch_generate_texts_problem`."""
+    from mlx_lm_patches.engine.contract import Outcome
+
+    inapplicable = _batch_generate_inapplicable(model_type, padding)
+    if inapplicable:
+        return inapplicable
     try:
         model = build(model_type)
         problem = batch_generate_texts_problem(model, model_type)
@@ -735,17 +746,9 @@ def batch_generate_images_scenario(model_type: str, padding: str):
     with a processor that pads on the right (the tokenizer's default)."""
     from mlx_lm_patches.engine.contract import Outcome
 
-    if not available(model_type):
-        return Outcome.not_applicable(f"mlx-vlm with {model_type} is not installed")
-    why = unsupported_api(model_type)
-    if why:
-        return Outcome.not_applicable(why)
-    if not takes_rows():
-        return Outcome.not_applicable("this mlx-vlm's BatchGenerator takes one padded batch (mlx-vlm < 0.5)")
-    handed = batch_generate_padding() or "inserted"
-    if handed != padding:
-        return Outcome.not_applicable(f"this mlx-vlm's batch_generate hands its padded rows over {handed}, "
-                                      "not as this fix is about")
+    inapplicable = _batch_generate_inapplicable(model_type, padding)
+    if inapplicable:
+        return inapplicable
     try:
         problem = batch_generate_images_problem(build(model_type, images=True), model_type)
     except Exception as exc:
