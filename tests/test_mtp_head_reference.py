@@ -17,7 +17,8 @@ from mlx_lm_patches.demos.mtp_checkpoints import MTP_MODEL_TYPES, write_mtp_chec
 mlx_lm_patches.apply()
 
 FAMILIES = [f for f in ("qwen3_next", "qwen3_5", "qwen3_5_moe", "nemotron_h", "deepseek_v3", "deepseek_v32", "glm4_moe",
-                        "glm4_moe_lite", "mimo", "ernie4_5_moe", "exaone_moe", "mimo_v2_flash", "step3p5")
+                        "glm4_moe_lite", "mimo", "ernie4_5_moe", "exaone_moe", "mimo_v2_flash", "step3p5",
+                        "bailing_moe_v3")
             if importlib.util.find_spec(f"mlx_lm.models.{f}") is not None]
 EXTRA_LAYER = ("deepseek_v3", "deepseek_v32", "glm4_moe", "glm4_moe_lite", "mimo")  # the head: one more decoder layer
 
@@ -84,6 +85,13 @@ def _one_step_model(model, config, head, fused):
         second = dict(tree_flatten(model.model.layers[0].parameters()))  # the backbone's dense full-attention layer
         blocks.update({f"layers.1.{k}": (mx.zeros_like(v) if k.endswith(("o_proj.weight", "down_proj.weight")) else v)
                        for k, v in second.items()})
+        final_norm = head.final_layernorm.weight
+        main_head = model.lm_head
+    elif model.model_type == "bailing_moe_v3":
+        # one layer: gated latent attention (the last of a group) with the sparse MoE
+        config.update(num_hidden_layers=1, first_k_dense_replace=0, layer_group_size=1)
+        prefix, embed, norm, lm_head = "model.", "model.word_embeddings.weight", "model.norm.weight", "lm_head"
+        blocks = {f"layers.0.{k}": v for k, v in tree_flatten(head.layers[0].parameters())}
         final_norm = head.final_layernorm.weight
         main_head = model.lm_head
     elif model.model_type in EXTRA_LAYER:
@@ -163,6 +171,10 @@ def test_mtp_forward_is_the_documented_head(tmp_path, family):
         head = model.mtp
         embedding_norm, hidden_norm, projection = head.enorm, head.hnorm, head.eh_proj
         embedded = model.model.embed_tokens(next_ids)
+    elif family == "bailing_moe_v3":  # eh_proj(concat[enorm(e), hnorm(h)]), the model's word embeddings
+        head = model.mtp
+        embedding_norm, hidden_norm, projection = head.enorm, head.hnorm, head.eh_proj
+        embedded = model.model.word_embeddings(next_ids)
     elif family == "exaone_moe":  # fc(concat[pre_fc_norm_embedding(e), pre_fc_norm_hidden(h)])
         head = model.mtp
         embedding_norm, hidden_norm, projection = head.pre_fc_norm_embedding, head.pre_fc_norm_hidden, head.fc

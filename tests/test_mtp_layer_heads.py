@@ -35,7 +35,8 @@ from mlx_lm_patches.demos.tiny_models import build_tiny_model
 
 mlx_lm_patches.apply()
 
-FAMILIES = [f for f in DEEPSEEK_LAYOUT + ("mimo", "ernie4_5_moe", "exaone_moe", "mimo_v2_flash", "step3p5")
+FAMILIES = [f for f in DEEPSEEK_LAYOUT + ("mimo", "ernie4_5_moe", "exaone_moe", "mimo_v2_flash", "step3p5",
+                                          "bailing_moe_v3")
             if importlib.util.find_spec(f"mlx_lm.models.{f}") is not None]
 pytestmark = pytest.mark.skipif(not FAMILIES, reason="this mlx-lm has none of these families")
 
@@ -76,6 +77,8 @@ def test_the_head_is_kept_exactly(written, family, form):
         assert model.mtp_status.startswith("MTP head kept: 1 layer(s) (the first of the checkpoint's 2; the "
                                            "others are not used)"), model.mtp_status
         assert model.mtp_status.endswith("from the checkpoint's layer model.layers.3"), model.mtp_status
+    elif form == "hf" and family == "bailing_moe_v3":  # model.layers.4, no copies of the shared parts
+        assert model.mtp_status.endswith("from the checkpoint's layer model.layers.4"), model.mtp_status
     elif form == "hf" and family != "exaone_moe":  # (exaone_moe's head: mtp.* keys, both forms)
         assert "from the checkpoint's layer model.layers.3; embedding and output head shared with the model " \
                "(the checkpoint's 2 copies of them not loaded)" in model.mtp_status, model.mtp_status
@@ -138,7 +141,7 @@ def _derivable(model):
         projection, norms, hidden_first = head.eh_proj, (head.enorm, head.hnorm), False
         head.shared_head.norm.weight = model.model.norm.weight
         head.shared_head.output.weight = model.lm_head.weight
-    elif model.model_type == "mimo_v2_flash":  # eh_proj(concat[enorm(e), hnorm(h)]), final_layernorm
+    elif model.model_type in ("mimo_v2_flash", "bailing_moe_v3"):  # eh_proj(concat[enorm(e), hnorm(h)]), final_layernorm
         projection, norms, hidden_first = head.eh_proj, (head.enorm, head.hnorm, head.final_layernorm), False
     else:  # eh_proj(concat[enorm(e), hnorm(h)]), then shared_head.norm
         projection, norms, hidden_first = head.eh_proj, (head.enorm, head.hnorm, head.shared_head.norm), False
@@ -147,7 +150,7 @@ def _derivable(model):
     for norm in norms:
         norm.weight = mx.ones((hidden,))
     updates = [(path, mx.zeros_like(value)) for path, value in tree_flatten(head.layers[0].parameters())
-               if ".o_proj." in f".{path}" or ".down_proj." in f".{path}"]  # attention and (shared) experts out
+               if any(out in f".{path}" for out in (".o_proj.", ".dense.", ".down_proj."))]  # attention and (shared) experts out
     head.layers[0].load_weights(updates, strict=False)
     mx.eval(head.parameters())
 
@@ -233,3 +236,28 @@ def test_an_fp8_mimo_v2_head_is_dequantized_as_the_release_dequantizes_the_backb
         expected = stock.sanitize({"model.layers.0.x.weight": stored, "model.layers.0.x.weight_scale_inv": scale})
         got = model.mtp.eh_proj.weight if "eh_proj" in key else model.mtp.layers[0].self_attn.q_proj.weight
         assert mx.array_equal(got, expected["model.layers.0.x.weight"].astype(got.dtype)).item(), key
+
+
+@pytest.mark.skipif("bailing_moe_v3" not in FAMILIES, reason="this mlx-lm has no bailing_moe_v3")
+def test_a_ling_3_checkpoint_named_bailing_hybrid_keeps_its_head_and_drafts_greedy(tmp_path):
+    """Ling / Ring 3.0 checkpoints name themselves ``bailing_hybrid`` (mlx-lm tells them apart from
+    its other ``bailing_hybrid`` module by ``architectures``): the HF-layout tiny checkpoint with
+    that name loads through mlx-lm's ``bailing_moe_v3``, keeps its head, and MTP speculation
+    (``--draft-model mtp``'s draft) equals greedy decoding."""
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.generate import speculative_generate_step
+
+    written = write_mtp_checkpoint(tmp_path, "bailing_moe_v3", form="hf", dtype="float32")
+    config_path = written.folder / "config.json"
+    config = json.loads(config_path.read_text())
+    config.update(model_type="bailing_hybrid", architectures=["BailingMoeV3ForCausalLM"])
+    config_path.write_text(json.dumps(config))
+    model = load(str(written.folder))[0]
+    assert type(model).__module__ == "mlx_lm.models.bailing_moe_v3" and model.model_type == "bailing_hybrid"
+    assert model.mtp is not None, model.mtp_status
+    assert check_loaded(model, written) is None
+    prompt = prompt_tokens(15, seed=4)
+    steps = list(speculative_generate_step(mx.array(prompt), model, model.make_draft_model(),
+                                           num_draft_tokens=2, max_tokens=12))
+    assert [int(t) for t, _, _ in steps] == greedy(model, prompt, max_tokens=12).tokens

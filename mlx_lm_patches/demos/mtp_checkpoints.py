@@ -27,6 +27,11 @@ the decoder layer with one tensor per expert and multi-head latent attention's `
 copies of the embedding and output head), the backbone's experts per expert and ``kv_b_proj``
 unsplit as well.
 
+``bailing_moe_v3`` (four layers: linear, latent, linear, latent attention) in HF form stores its
+head as ``model.layers.4`` (``enorm``, ``hnorm``, ``eh_proj``, ``final_layernorm`` and a gated
+latent-attention MoE decoder layer, experts per expert, ``kv_b_proj`` unsplit; no copies of the
+shared embedding and output head), the backbone likewise (its short convolutions as (C, 1, K)).
+
 ``ernie4_5_moe`` (three layers) in HF form stores its head as ``model.mtp_emb_norm.0``,
 ``model.mtp_hidden_norm.0``, ``model.mtp_linear_proj.0`` and ``model.mtp_block.0.*`` (a dense
 decoder layer), the backbone's experts per expert.
@@ -183,7 +188,7 @@ DEEPSEEK_LAYOUT = ("deepseek_v3", "deepseek_v32", "glm4_moe", "glm4_moe_lite")  
 # layout first, see tests/support/sweeps.py)
 MTP_MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "nemotron_h", "deepseek_v3", "deepseek_v32",
                    "glm4_moe", "glm4_moe_lite", "mimo", "ernie4_5_moe", "exaone_moe", "mimo_v2_flash",
-                   "step3p5")
+                   "step3p5", "bailing_moe_v3")
 
 
 def _deepseek_to_hf(params):
@@ -199,14 +204,20 @@ def _deepseek_to_hf(params):
             proj, leaf = rest.split(".")
             for e in range(value.shape[0]):
                 out[f"{prefix}.experts.{e}.{proj}.{leaf}"] = value[e]
-        elif key.endswith(".self_attn.embed_q.weight"):
+        elif key.endswith((".self_attn.embed_q.weight", ".attention.embed_q.weight")):
             prefix = key[: -len("embed_q.weight")]
             unembed = params[prefix + "unembed_out.weight"]  # (heads, v_head_dim, kv_lora_rank)
             stacked = mx.concatenate([value.swapaxes(-1, -2), unembed], axis=1)
             out[prefix + "kv_b_proj.weight"] = stacked.reshape(-1, stacked.shape[-1])
-        elif not key.endswith(".self_attn.unembed_out.weight"):
+        elif not key.endswith((".self_attn.unembed_out.weight", ".attention.unembed_out.weight")):
             out[key] = value
     return out
+
+
+def _bailing_to_hf(params):
+    """Invert mlx-lm's bailing_moe_v3 ``sanitize``: per-expert tensors, ``kv_b_proj`` unsplit
+    (as for the DeepSeek-V3 layout), and the short convolutions' weights back to (C, 1, K)."""
+    return {k: (v.moveaxis(1, 2) if "_conv1d.weight" in k else v) for k, v in _deepseek_to_hf(params).items()}
 
 
 @functools.lru_cache(maxsize=None)
@@ -317,6 +328,10 @@ def write_mtp_checkpoint(root, family, *, form="mlx", quantized=False, placement
             layer = head_params if i == 0 else _random_like(head_params, seed=3000 + i)
             flat = {(k[len("layers.0."):] if k.startswith("layers.0.") else k): v for k, v in layer.items()}
             mtp.update({f"model.layers.{depth + i}.{k}": v for k, v in _step_to_hf(flat).items()})
+    elif form == "hf" and family == "bailing_moe_v3":  # the head is layer num_hidden_layers, no shared copies
+        weights = _bailing_to_hf(backbone)
+        layer = {(k[len("layers.0."):] if k.startswith("layers.0.") else k): v for k, v in head_params.items()}
+        mtp = {f"model.layers.{config['num_hidden_layers']}.{k}": v for k, v in _bailing_to_hf(layer).items()}
     elif form == "hf" and family in DEEPSEEK_LAYOUT:  # the head is the layer after the last
         weights = _deepseek_to_hf(backbone)
         mtp = _deepseek_head_to_hf(head_params, backbone, config["num_hidden_layers"])

@@ -18,7 +18,9 @@ Fix
     under ``mtp.<path>``) and dequantizes it exactly as it does the backbone. For the mixed
     recipes (``--quant-predicate mixed_3_6`` ...) the recipe is built on the backbone alone and
     sees head layer ``i`` as backbone layer ``num_hidden_layers + i`` (its path's layer index;
-    the head's other layers as layer ``num_hidden_layers``). ``mlx_lm.fuse`` likewise: the head,
+    the head's other layers as layer ``num_hidden_layers``); a family whose own
+    ``quant_predicate`` looks layers up by index (Ling 3.0) sees the head's layer as the
+    backbone's last layer of its kind. ``mlx_lm.fuse`` likewise: the head,
     which LoRA never adapts, joins the tree after its ``load``, so ``--dequantize`` dequantizes
     it with the backbone. Wrap ``mlx_lm.utils.save_model``
     (which ``save``, and so ``convert`` and ``fuse``, call): the head leaves the tree before
@@ -114,6 +116,24 @@ def _mixed_recipe(wrapped, instance, args, kwargs):
     return mixed_with_head
 
 
+def _quantizing_head_as_its_kind(wrapped, instance, args, kwargs):
+    """The family's own ``quant_predicate`` (no predicate given) sees a head layer's path as the
+    backbone layer of the same kind where the family says which (``quant_path``: a predicate
+    that looks a layer up by its index, e.g. Ling 3.0's linear vs latent attention)."""
+    from mlx_lm_patches.mechanisms.calls import bind_arguments
+    from mlx_lm_patches.mechanisms.mtp.families import family_of
+    from mlx_lm_patches.mechanisms.mtp.heads import TREE_KEY
+
+    call = bind_arguments(wrapped, args, kwargs)
+    model = call.arguments.get("model")
+    family = family_of(model)
+    own = getattr(model, "quant_predicate", None)
+    if (call.arguments.get("quant_predicate") is None and own is not None and hasattr(family, "quant_path")
+            and isinstance(model, dict) and TREE_KEY in model):
+        call.arguments["quant_predicate"] = lambda path, module: own(family.quant_path(model, path), module)
+    return wrapped(*call.args, **call.kwargs)
+
+
 def _save_model(wrapped, instance, args, kwargs):
     from mlx_lm_patches.mechanisms.mtp.heads import out_of_tree, save_sidecar
 
@@ -148,6 +168,7 @@ def apply(p):
     p.wrap(f"{CONVERT}:convert", _writing)
     p.wrap(f"{CONVERT}:load", _load_for_writing)
     p.wrap(f"{CONVERT}:mixed_quant_predicate_builder", _mixed_recipe)
+    p.wrap(f"{CONVERT}:quantize_model", _quantizing_head_as_its_kind)
     p.wrap(f"{UTILS}:save_model", _save_model)
     p.wrap(f"{FUSE}:main", _writing)  # deferred until mlx_lm.fuse is imported
     p.wrap(f"{FUSE}:load", _load_for_writing)

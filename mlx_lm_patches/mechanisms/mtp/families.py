@@ -717,21 +717,123 @@ class Step3p5(_ExtraLayerHead):
         return model.__dict__["mtp"].shared_head.output(out)
 
 
+class BailingV3(DeepSeekV3):
+    """Ling / Ring 3.0 (bailing_moe_v3; its checkpoints call themselves ``bailing_hybrid``): a hybrid
+    of linear (KDA) and gated multi-head latent attention whose MTP layer is appended as
+    ``model.layers.{num_hidden_layers}``: ``enorm``, ``hnorm``, ``eh_proj`` (the normalized
+    embedding first), the family's decoder layer at that index - gated latent attention, never
+    linear (past the last full group of ``layer_group_size``), and the sparse MoE (past
+    ``first_k_dense_replace``) - and ``final_layernorm`` before the shared output head; the main
+    model's final (post-norm) hidden state goes in. Its tensors are in the checkpoint's layout
+    (one tensor per expert, ``kv_b_proj`` unsplit): they go through the release's own
+    ``sanitize`` as the backbone's last layer (past ``first_k_dense_replace``: its experts are
+    stacked and its ``kv_b_proj`` split exactly as the backbone's are). Followed: vLLM's
+    ``bailing_moe_v3_mtp.py`` (the names, the order of the halves, the layer, the final norm, the
+    shared embedding and output head; one MTP layer) and SGLang's ``bailing_moe_v3.py`` (the
+    layer index ``num_hidden_layers``, one layer, the shared embedding and head)."""
+
+    names = ("bailing_moe_v3",)
+    _FUSION = ("enorm.", "hnorm.", "eh_proj.", "final_layernorm.")
+    SHARED = ("word_embeddings.", "embed_tokens.", "shared_head.head.")
+
+    def split_checkpoint(self, model, weights, stock_sanitize):
+        """The tensors of layers ``>= num_hidden_layers`` are the head's; all but the fusion and the
+        shared copies go through ``stock_sanitize`` renamed as the backbone's last layer."""
+        args = model.args
+        depth = args.num_hidden_layers
+        stand_in = depth - 1  # sanitize stacks experts past first_k_dense_replace only
+        keep = self._FUSION + self.SHARED
+
+        def convert(i, tensors):
+            if stand_in < args.first_k_dense_replace:
+                raise HeadUnsupported(f"no backbone layer past first_k_dense_replace to convert MTP layer {i} as")
+            own = {f"model.layers.{stand_in}.{k}": v for k, v in tensors.items() if not k.startswith(keep)}
+            out = {key[len(f"model.layers.{stand_in}."):]: v for key, v in stock_sanitize(own).items()}
+            out.update({k: v for k, v in tensors.items() if k.startswith(keep)})
+            return out
+
+        backbone, past = {}, {}
+        for key, value in weights.items():
+            match = re.match(r"^model\.layers\.(\d+)\.(.+)$", key)
+            if match and int(match.group(1)) >= depth:
+                past[f"{int(match.group(1)) - depth}.{match.group(2)}"] = value
+            else:
+                backbone[key] = value
+        return backbone, self._split(past, r"^(\d+)\.(.+)$", keep, convert)[1]
+
+    def build(self, model, config, weights, n_layers):
+        import mlx.nn as nn
+
+        from mlx_lm.models.bailing_moe_v3 import BailingDecoderLayer
+
+        args = model.args
+        head = self._fusion_head(model, n_layers, "Ling 3.0", ("enorm", "hnorm", "eh_proj"))
+        head.layers = [BailingDecoderLayer(args, args.num_hidden_layers)]
+        if head.layers[0].is_linear:
+            raise HeadUnsupported("the layer at num_hidden_layers would be linear attention in this mlx-lm")
+        head.final_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        return head
+
+    def layer_cache(self, model):
+        from mlx_lm.models.cache import KVCache
+
+        return KVCache()
+
+    def quant_path(self, model, path):
+        """A head path as the family's ``quant_predicate`` should see it (it looks layers up by
+        index to tell linear from latent attention): the backbone's last latent-attention layer."""
+        match = re.match(r"^mtp\.layers\.\d+\.(.+)$", path)
+        if match is None:
+            return path
+        index = max(i for i, layer in enumerate(model.layers) if not layer.is_linear)
+        return f"model.layers.{index}.{match.group(1)}"
+
+    def head_norm(self, head):
+        return head.final_layernorm
+
+    def embed(self, model, ids):
+        return model.model.word_embeddings(ids)
+
+    def logits(self, model, out):
+        if model.lm_head is None:
+            return model.model.word_embeddings.as_linear(out)
+        return model.lm_head(out)
+
+
 def _identity(x):
     return x
 
 
-FAMILIES = {name: family for family in (Qwen(), NemotronH(), DeepSeekV3(), MiMo(), Ernie(), Exaone(), MiMoV2(), Step3p5())
+def _identity(x):
+    return x
+
+
+FAMILIES = {name: family for family in (Qwen(), NemotronH(), DeepSeekV3(), MiMo(), Ernie(), Exaone(), MiMoV2(), Step3p5(),
+                                        BailingV3())
             for name in family.names}
 
 
 # Why the heads of families mlx-lm drops MTP layers for are not kept (what ``mtp_status`` says).
 NOT_KEPT = {
-    "kimi_linear": "no public description of its MTP layer's layout was found to follow",
+    "kimi_linear": ("its checkpoints ship no MTP layer (no MTP setting in its config, no Kimi-Linear MTP model "
+                    "in vLLM or SGLang, the published weight index lists the decoder layers only)"),
+    "deepseek_v41": ("its mtp.* tensors are a block drafter (DeepSeek's DSpark: several tokens per pass from "
+                     "chosen layers' hidden states), not a next-token MTP layer this package's decoding runs"),
 }
 NOT_READ = "the layout of its MTP layers has not been read yet"
 
 
+def family_name(model):
+    """The name ``model``'s family is kept under: its ``model_type``, or for a checkpoint whose
+    ``model_type`` names another module (Ling 3.0's ``bailing_hybrid``, loaded by mlx-lm's
+    ``bailing_moe_v3``) the module its class comes from."""
+    model_type = getattr(model, "model_type", None)
+    if model_type in FAMILIES:
+        return model_type
+    module = type(model).__module__.rsplit(".", 1)[-1]
+    return module if module in FAMILIES and type(model).__module__.startswith("mlx_lm.models.") else model_type
+
+
 def family_of(model):
     """The family descriptor of ``model``, or ``None`` if its MTP heads are not kept."""
-    return FAMILIES.get(getattr(model, "model_type", None))
+    return FAMILIES.get(family_name(model))

@@ -35,7 +35,8 @@ run (``into_tree``) and ``save_model`` writes it to an ``mtp.safetensors`` sidec
 import re
 from typing import Optional
 
-from mlx_lm_patches.mechanisms.mtp.families import FAMILIES, NOT_KEPT, NOT_READ, HeadUnsupported, family_of
+from mlx_lm_patches.mechanisms.mtp.families import (FAMILIES, NOT_KEPT, NOT_READ, HeadUnsupported, family_name,
+                                                     family_of)
 
 MTP_KEY = re.compile(r"(^|\.)mtp\.")
 STASH = "_mlx_lm_patches_mtp_tensors"
@@ -186,7 +187,7 @@ def attach(model, model_path, config, lazy=False) -> None:
             sources.append(f"{name} (written by {'mlx-lm-patches' if mlx_layout else 'another tool'})")
     declared = declared_layers(config)
     model.__dict__["mtp"] = None
-    model_type = getattr(model, "model_type", None)
+    model_type = family_name(model)
     if model_type not in FAMILIES and (tensors or declared):
         aside = f"; {len(tensors)} mtp.* tensors set aside" if tensors else ""
         model.__dict__["mtp_status"] = (
