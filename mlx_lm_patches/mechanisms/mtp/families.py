@@ -830,8 +830,11 @@ def family_name(model):
     model_type = getattr(model, "model_type", None)
     if model_type in FAMILIES:
         return model_type
-    module = type(model).__module__.rsplit(".", 1)[-1]
-    return module if module in FAMILIES and type(model).__module__.startswith("mlx_lm.models.") else model_type
+    for cls in type(model).__mro__:  # (a subclass swapped in keeps its base's module)
+        package, _, module = cls.__module__.rpartition(".")
+        if package == "mlx_lm.models" and module in FAMILIES:
+            return module
+    return model_type
 
 
 def family_of(model):
