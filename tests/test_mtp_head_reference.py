@@ -18,7 +18,7 @@ mlx_lm_patches.apply()
 
 FAMILIES = [f for f in ("qwen3_next", "qwen3_5", "qwen3_5_moe", "nemotron_h", "deepseek_v3", "deepseek_v32", "glm4_moe",
                         "glm4_moe_lite", "mimo", "ernie4_5_moe", "exaone_moe", "mimo_v2_flash", "step3p5",
-                        "bailing_moe_v3")
+                        "bailing_moe_v3", "longcat_flash")
             if importlib.util.find_spec(f"mlx_lm.models.{f}") is not None]
 EXTRA_LAYER = ("deepseek_v3", "deepseek_v32", "glm4_moe", "glm4_moe_lite", "mimo")  # the head: one more decoder layer
 
@@ -94,6 +94,33 @@ def _one_step_model(model, config, head, fused):
         blocks = {f"layers.0.{k}": v for k, v in tree_flatten(head.layers[0].parameters())}
         final_norm = head.final_layernorm.weight
         main_head = model.lm_head
+    elif model.model_type == "longcat_flash":
+        # the family's own two-attention block: its first attention and MLP the head's, the second
+        # half and the shortcut MoE adding nothing (zero output projections; identity experts
+        # never routed to)
+        config["num_layers"] = 1
+        prefix, embed, norm, lm_head = "model.", "model.embed_tokens.weight", "model.norm.weight", "lm_head"
+        layer = head.layers[0]
+        ones = mx.ones((model.args.hidden_size,))
+        blocks = {}
+        for k, v in tree_flatten(layer.self_attn.parameters()):
+            blocks[f"layers.0.self_attn.0.{k}"] = v
+            blocks[f"layers.0.self_attn.1.{k}"] = mx.zeros_like(v) if k.startswith("o_proj.") else v
+        for k, v in tree_flatten(layer.mlp.parameters()):
+            blocks[f"layers.0.mlps.0.{k}"] = v
+            blocks[f"layers.0.mlps.1.{k}"] = mx.zeros_like(v) if k.startswith("down_proj.") else v
+        blocks.update({"layers.0.input_layernorm.0.weight": layer.input_layernorm.weight,
+                       "layers.0.post_attention_layernorm.0.weight": layer.post_attention_layernorm.weight,
+                       "layers.0.input_layernorm.1.weight": ones, "layers.0.post_attention_layernorm.1.weight": ones})
+        for k, v in tree_flatten(model.model.layers[0].mlp.parameters()):
+            if k.startswith("switch_mlp.down_proj."):
+                v = mx.zeros_like(v)
+            elif k == "router.e_score_correction_bias":
+                v = mx.concatenate([mx.zeros((model.args.n_routed_experts,)),
+                                    mx.full((v.shape[0] - model.args.n_routed_experts,), -10.0)])
+            blocks[f"layers.0.mlp.{k}"] = v
+        final_norm = head.norm.weight
+        main_head = model.lm_head
     elif model.model_type in EXTRA_LAYER:
         config["num_hidden_layers"], config["first_k_dense_replace"] = 1, 0  # the head's (MoE) layer
         prefix, embed, norm, lm_head = "model.", "model.embed_tokens.weight", "model.norm.weight", "lm_head"
@@ -168,6 +195,10 @@ def test_mtp_forward_is_the_documented_head(tmp_path, family):
         embedding_norm, hidden_norm, projection = head.enorm, head.hnorm, head.eh_proj
         embedded = model.model.embed_tokens(next_ids)
     elif family in ("mimo_v2_flash", "step3p5"):  # eh_proj(concat[enorm(e), hnorm(h)])
+        head = model.mtp
+        embedding_norm, hidden_norm, projection = head.enorm, head.hnorm, head.eh_proj
+        embedded = model.model.embed_tokens(next_ids)
+    elif family == "longcat_flash":  # eh_proj(concat[enorm.m(e), hnorm.m(h)])
         head = model.mtp
         embedding_norm, hidden_norm, projection = head.enorm, head.hnorm, head.eh_proj
         embedded = model.model.embed_tokens(next_ids)

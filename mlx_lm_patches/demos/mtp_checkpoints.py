@@ -32,6 +32,11 @@ head as ``model.layers.4`` (``enorm``, ``hnorm``, ``eh_proj``, ``final_layernorm
 latent-attention MoE decoder layer, experts per expert, ``kv_b_proj`` unsplit; no copies of the
 shared embedding and output head), the backbone likewise (its short convolutions as (C, 1, K)).
 
+``longcat_flash`` (two layers) in HF form stores its head as ``model.mtp.layers.0`` (``enorm.m``,
+``hnorm.m``, ``eh_proj``, ``input_layernorm``, ``self_attn.*`` with ``kv_b_proj`` unsplit,
+``post_attention_layernorm``, ``transformer_layer.mlp.*``), ``model.mtp.norm`` and a copy of the
+embedding (``model.mtp.embed_tokens``); the backbone's experts per expert, ``kv_b_proj`` unsplit.
+
 ``ernie4_5_moe`` (three layers) in HF form stores its head as ``model.mtp_emb_norm.0``,
 ``model.mtp_hidden_norm.0``, ``model.mtp_linear_proj.0`` and ``model.mtp_block.0.*`` (a dense
 decoder layer), the backbone's experts per expert.
@@ -48,6 +53,7 @@ form stores experts per expert (``experts.{e}.up_proj``) and norms unshifted.
 """
 
 import copy
+import re
 import functools
 import pathlib
 from dataclasses import dataclass, field
@@ -188,7 +194,7 @@ DEEPSEEK_LAYOUT = ("deepseek_v3", "deepseek_v32", "glm4_moe", "glm4_moe_lite")  
 # layout first, see tests/support/sweeps.py)
 MTP_MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "nemotron_h", "deepseek_v3", "deepseek_v32",
                    "glm4_moe", "glm4_moe_lite", "mimo", "ernie4_5_moe", "exaone_moe", "mimo_v2_flash",
-                   "step3p5", "bailing_moe_v3")
+                   "step3p5", "bailing_moe_v3", "longcat_flash")
 
 
 def _deepseek_to_hf(params):
@@ -204,14 +210,18 @@ def _deepseek_to_hf(params):
             proj, leaf = rest.split(".")
             for e in range(value.shape[0]):
                 out[f"{prefix}.experts.{e}.{proj}.{leaf}"] = value[e]
-        elif key.endswith((".self_attn.embed_q.weight", ".attention.embed_q.weight")):
+        elif _LATENT.search(key) and key.endswith(".embed_q.weight"):
             prefix = key[: -len("embed_q.weight")]
             unembed = params[prefix + "unembed_out.weight"]  # (heads, v_head_dim, kv_lora_rank)
             stacked = mx.concatenate([value.swapaxes(-1, -2), unembed], axis=1)
             out[prefix + "kv_b_proj.weight"] = stacked.reshape(-1, stacked.shape[-1])
-        elif not key.endswith((".self_attn.unembed_out.weight", ".attention.unembed_out.weight")):
+        elif not (_LATENT.search(key) and key.endswith(".unembed_out.weight")):
             out[key] = value
     return out
+
+
+# latent attention modules: DeepSeek-V3 layout's self_attn, Ling 3.0's attention, LongCat's self_attn.{i}
+_LATENT = re.compile(r"(^|\.)(self_attn(\.\d+)?|attention)\.(embed_q|unembed_out)\.weight$")
 
 
 def _bailing_to_hf(params):
@@ -328,6 +338,16 @@ def write_mtp_checkpoint(root, family, *, form="mlx", quantized=False, placement
             layer = head_params if i == 0 else _random_like(head_params, seed=3000 + i)
             flat = {(k[len("layers.0."):] if k.startswith("layers.0.") else k): v for k, v in layer.items()}
             mtp.update({f"model.layers.{depth + i}.{k}": v for k, v in _step_to_hf(flat).items()})
+    elif form == "hf" and family == "longcat_flash":  # model.mtp.layers.0 (.m fusion norms), model.mtp.norm
+        weights = _deepseek_to_hf(backbone)
+        mtp = {}
+        for key, value in _deepseek_to_hf(head_params).items():
+            if key.startswith(("enorm.", "hnorm.")):
+                key = "layers.0.{}.m.{}".format(*key.split(".", 1))
+            elif key.startswith("eh_proj."):
+                key = f"layers.0.{key}"
+            mtp[f"model.mtp.{key.replace('layers.0.mlp.', 'layers.0.transformer_layer.mlp.')}"] = value
+        mtp["model.mtp.embed_tokens.weight"] = backbone["model.embed_tokens.weight"]
     elif form == "hf" and family == "bailing_moe_v3":  # the head is layer num_hidden_layers, no shared copies
         weights = _bailing_to_hf(backbone)
         layer = {(k[len("layers.0."):] if k.startswith("layers.0.") else k): v for k, v in head_params.items()}

@@ -693,6 +693,12 @@ def _cfg_gear() -> Dict[str, Any]:
     }
 
 
+def _cfg_longcat_flash() -> Dict[str, Any]:
+    cfg = {k: v for k, v in _cfg_longcat_flash_ngram().items()
+           if k not in ("ngram_vocab_size_ratio", "emb_neighbor_num", "emb_split_num")}
+    return dict(cfg, model_type="longcat_flash", attention_method="MLA", attention_bias=False)
+
+
 def _cfg_longcat_flash_ngram() -> Dict[str, Any]:
     return {
         "model_type": "longcat_flash_ngram",
@@ -904,6 +910,7 @@ _CONFIGS: Dict[str, Callable[[], Dict[str, Any]]] = {
     "exaone_moe": _cfg_exaone_moe,
     "mimo_v2_flash": _cfg_mimo_v2_flash,
     "step3p5": _cfg_step3p5,
+    "longcat_flash": _cfg_longcat_flash,
 }
 
 

@@ -2,7 +2,7 @@
 MTP head kept (Qwen3-Next, Qwen3.5/3.6 dense and MoE, Nemotron-H; DeepSeek-V3, DeepSeek-V3.2,
 GLM-4.5/4.6/4.7 and GLM-4.7-Flash, whose head is the layer after the backbone's last; MiMo's
 ``mtp_layers``; ERNIE 4.5 MoE's ``mtp_block``; K-EXAONE's ``mtp.*``; MiMo-V2-Flash's
-``model.mtp.layers.0``; Ling 3.0's layer past the backbone's).
+``model.mtp.layers.0``; Ling 3.0's layer past the backbone's; LongCat-Flash's ``model.mtp``).
 
 Bug
     mlx-lm has no module for the MTP head that Qwen3-Next, Qwen3.5/3.6 and Nemotron-H
@@ -19,8 +19,8 @@ Bug
       fails the same way (deepseek_v32 too up to 0.30.6; later releases drop every layer past
       the backbone's); glm4_moe and glm4_moe_lite drop the layer, mimo its ``mtp_layers``,
       ernie4_5_moe its ``mtp_*`` tensors, exaone_moe its ``mtp.*`` ones,
-      mimo_v2_flash its ``model.mtp.*`` ones, step3p5 and bailing_moe_v3 their layers past the
-      backbone's.
+      mimo_v2_flash and longcat_flash their ``model.mtp.*`` ones, step3p5 and bailing_moe_v3
+      their layers past the backbone's.
     * everywhere else the head is dropped without a word; an ``mtp.safetensors`` sidecar is
       never read.
 

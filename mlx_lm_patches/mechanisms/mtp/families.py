@@ -36,12 +36,19 @@ layers (attention layers with their own KV cache), the head's final norm, the sh
   (the normalized embedding first), ``mtp.layers.{i}`` (a decoder layer with a dense MLP; a
   full-attention one is kept), ``mtp.norm``; shared embedding and output head (vLLM's
   ``exaone_moe_mtp.py``).
+* Ling / Ring 3.0 (bailing_moe_v3): DeepSeek-V3's layout with ``final_layernorm`` for the head's
+  norm; the layer at ``num_hidden_layers`` is gated latent attention with the sparse MoE (vLLM's
+  ``bailing_moe_v3_mtp.py``).
+* LongCat-Flash (longcat_flash): ``model.mtp.layers.0`` (``enorm.m``, ``hnorm.m``, ``eh_proj``,
+  one block of latent attention and dense MLP), ``model.mtp.norm`` (vLLM's
+  ``longcat_flash_mtp.py``).
 * ERNIE 4.5 MoE (ernie4_5_moe): ``model.mtp_emb_norm.{i}``, ``model.mtp_hidden_norm.{i}``,
   ``model.mtp_linear_proj.{i}`` (the normalized embedding first) and ``model.mtp_block.{i}``, a
   dense decoder layer whose output goes to the shared output head with no norm between (vLLM's
   ``ernie_mtp.py``, SGLang's ERNIE 4.5 MTP model).
 """
 
+import functools
 import re
 
 _PER_EXPERT = re.compile(r"^(layers\.\d+\.(?:mlp|mixer))\.experts\.(\d+)\.(\w+_proj)\.(weight|scales|biases)$")
@@ -402,15 +409,7 @@ class DeepSeekV3(_ExtraLayerHead):
         return own()[0] if own is not None else super().layer_cache(model)
 
     def attention_mask(self, z, cache):
-        """An array mask where the release has them (multi-head latent attention adds its
-        positional scores to the mask, so it needs one; an array is exact for the others)."""
-        from mlx_lm.models.base import create_attention_mask
-
-        first = cache[0][0] if hasattr(cache[0], "caches") else cache[0]
-        try:
-            return create_attention_mask(z, first, return_array=True)
-        except TypeError:  # releases before return_array: what the family's own model passes
-            return create_attention_mask(z, first)
+        return _array_mask(z, cache)
 
     def head_norm(self, head):
         return head.shared_head.norm
@@ -800,8 +799,108 @@ class BailingV3(DeepSeekV3):
         return model.lm_head(out)
 
 
-def _identity(x):
-    return x
+@functools.lru_cache(maxsize=None)
+def _longcat_mtp_layer_class():
+    """LongCat-Flash's MTP decoder layer: one pre-norm block of the family's latent attention
+    (``LongcatFlashMLA``) and dense MLP (``LongcatFlashMLP``), each behind a residual - the first
+    half of the family's own two-attention block, without its shortcut MoE."""
+    import mlx.nn as nn
+    from mlx_lm.models.longcat_flash import LongcatFlashMLA, LongcatFlashMLP
+
+    class LongcatMTPLayer(nn.Module):
+        def __init__(self, args):
+            super().__init__()
+            self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+            self.self_attn = LongcatFlashMLA(args)
+            self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+            self.mlp = LongcatFlashMLP(args, False)
+
+        def __call__(self, x, mask=None, cache=None):
+            h = x + self.self_attn(self.input_layernorm(x), mask=mask, cache=cache)
+            return h + self.mlp(self.post_attention_layernorm(h))
+
+    return LongcatMTPLayer
+
+
+class LongcatFlash(_ExtraLayerHead):
+    """Meituan LongCat-Flash (longcat_flash): ``model.mtp.layers.0``: ``enorm.m``, ``hnorm.m``,
+    ``eh_proj`` (the normalized embedding first), one dense decoder block - latent attention
+    (``self_attn``, with the family's q/kv LoRA scaling) and a dense MLP
+    (``transformer_layer.mlp``), each pre-norm with a residual - then ``model.mtp.norm`` before the
+    shared output head; the main model's final (post-norm) hidden state goes in. The checkpoint's
+    ``model.mtp.embed_tokens`` copy is not loaded: the model's embedding is used (SGLang does so;
+    vLLM loads the copy). The attention's ``kv_b_proj`` goes through the release's own
+    ``sanitize`` as backbone layer 0's first attention (split into ``embed_q`` / ``unembed_out``
+    where the release splits it, dequantized and requantized as there). Followed: vLLM's
+    ``longcat_flash_mtp.py`` (the names, the ``.m`` of the fusion norms, the order of the halves,
+    the dense layer, the final norm, the shared output head; one MTP layer) and SGLang's
+    ``longcat_flash_nextn.py`` (the same layer, the shared embedding)."""
+
+    names = ("longcat_flash",)
+    _LAYER = re.compile(r"^(.*\bmtp\.)layers\.0\.self_attn\.(.+)$")
+    SHARED = ("embed_tokens.",)
+
+    def sanitize_head(self, model, tensors, stock_sanitize):
+        """The head's attention tensors through the release's own ``sanitize`` as backbone layer
+        0's first attention, then back under their names."""
+        renamed, prefixes, rest = {}, {}, {}
+        for key, value in tensors.items():
+            match = self._LAYER.match(key)
+            if match is None:
+                rest[key] = value
+                continue
+            prefixes[match.group(2)] = match.group(1)
+            renamed[f"model.layers.0.self_attn.0.{match.group(2)}"] = value
+        for key, value in stock_sanitize(renamed).items():
+            tail = key[len("model.layers.0.self_attn.0."):] if key.startswith("model.layers.0.self_attn.0.") else None
+            if tail is not None:
+                prefix = next(iter(prefixes.values()))
+                rest[f"{prefix}layers.0.self_attn.{tail}"] = value
+        return rest
+
+    def build(self, model, config, weights, n_layers):
+        import mlx.nn as nn
+
+        args = model.args
+        head = self._fusion_head(model, n_layers, "LongCat-Flash", ("enorm", "hnorm", "eh_proj"))
+        head.layers = [_longcat_mtp_layer_class()(args)]
+        head.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        return head
+
+    def convert(self, tensors, mlx_layout=False):
+        """Checkpoint names (``layers.0.enorm.m``, ``layers.0.transformer_layer.mlp``, ...) to the
+        head's; the copy of the shared embedding is left out."""
+        out = {}
+        for key, value in tensors.items():
+            if key.startswith(self.SHARED):
+                continue
+            match = re.match(r"^layers\.0\.(enorm|hnorm)\.m\.(.+)$", key) or re.match(r"^layers\.0\.(eh_proj)\.(.+)$", key)
+            if match:
+                out[f"{match.group(1)}.{match.group(2)}"] = value
+            else:
+                out[key.replace("layers.0.transformer_layer.mlp.", "layers.0.mlp.")] = value
+        return out
+
+    def fusion(self, head):
+        return head.enorm, head.hnorm, head.eh_proj
+
+    def head_norm(self, head):
+        return head.norm
+
+    def attention_mask(self, z, cache):
+        return _array_mask(z, cache)
+
+
+def _array_mask(z, cache):
+    """An array mask where the release has them (multi-head latent attention adds its
+    positional scores to the mask, so it needs one; an array is exact for the others)."""
+    from mlx_lm.models.base import create_attention_mask
+
+    first = cache[0][0] if hasattr(cache[0], "caches") else cache[0]
+    try:
+        return create_attention_mask(z, first, return_array=True)
+    except TypeError:  # releases before return_array: what the family's own model passes
+        return create_attention_mask(z, first)
 
 
 def _identity(x):
@@ -809,7 +908,7 @@ def _identity(x):
 
 
 FAMILIES = {name: family for family in (Qwen(), NemotronH(), DeepSeekV3(), MiMo(), Ernie(), Exaone(), MiMoV2(), Step3p5(),
-                                        BailingV3())
+                                        BailingV3(), LongcatFlash())
             for name in family.names}
 
 

@@ -202,7 +202,7 @@ def attach(model, model_path, config, lazy=False) -> None:
         )
         return
     weights = to_mlx_layout(tensors, model, mlx_layout=mlx_layout)
-    shared = [k for k in tensors if k.startswith(tuple(f"mtp.{p}" for p in getattr(family_of(model), "SHARED", ())))]
+    shared = [k for k in tensors if _relative(k).startswith(tuple(getattr(family_of(model), "SHARED", ())))]
     # Qwen: one decoder layer per MTP layer; Nemotron-H: one step made of several blocks.
     steps = (declared or 1) if model_type == "nemotron_h" else (_layer_count(weights) or max(declared, 1))
     try:
