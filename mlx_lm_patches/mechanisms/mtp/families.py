@@ -94,6 +94,19 @@ def _stack_experts(out, experts, rename=None):
     return out
 
 
+def _layers_past(weights, depth, name=lambda i, rest: f"{i}.{rest}"):
+    """``(backbone, past)``: the checkpoint tensors of layers ``model.layers.{depth + i}`` set apart
+    as ``name(i, rest of the key)`` (the layers after the backbone's last, numbered from 0)."""
+    backbone, past = {}, {}
+    for key, value in weights.items():
+        match = re.match(r"^model\.layers\.(\d+)\.(.+)$", key)
+        if match and int(match.group(1)) >= depth:
+            past[name(int(match.group(1)) - depth, match.group(2))] = value
+        else:
+            backbone[key] = value
+    return backbone, past
+
+
 class _Family:
     """What every family descriptor has."""
 
@@ -370,13 +383,7 @@ class DeepSeekV3(_ExtraLayerHead):
             out.update({k: v for k, v in tensors.items() if k.startswith(self.SHARED)})
             return out
 
-        backbone, past = {}, {}  # past: the layers after the backbone's last, numbered from 0
-        for key, value in weights.items():
-            match = re.match(r"^model\.layers\.(\d+)\.(.+)$", key)
-            if match and int(match.group(1)) >= depth:
-                past[f"{int(match.group(1)) - depth}.{match.group(2)}"] = value
-            else:
-                backbone[key] = value
+        backbone, past = _layers_past(weights, depth)
         return backbone, self._split(past, r"^(\d+)\.(.+)$", self._FUSION + self.SHARED, convert)[1]
 
     def source(self, model):
@@ -661,13 +668,8 @@ class Step3p5(_ExtraLayerHead):
         import mlx.core as mx
 
         depth = model.args.num_hidden_layers
-        backbone, past = {}, {}
-        for key, value in weights.items():
-            match = re.match(r"^model\.layers\.(\d+)\.(.+)$", key)
-            if match and int(match.group(1)) >= depth:
-                past[f"mtp_step.{int(match.group(1)) - depth}.{match.group(2).replace('transformer.', '', 1)}"] = value
-            else:
-                backbone[key] = value
+        backbone, past = _layers_past(weights, depth,
+                                      lambda i, rest: f"mtp_step.{i}.{rest.replace('transformer.', '', 1)}")
         if not past:
             return backbone, {}
         stand_ins = {k: mx.zeros((0,)) for k in backbone}
@@ -751,13 +753,7 @@ class BailingV3(DeepSeekV3):
             out.update({k: v for k, v in tensors.items() if k.startswith(keep)})
             return out
 
-        backbone, past = {}, {}
-        for key, value in weights.items():
-            match = re.match(r"^model\.layers\.(\d+)\.(.+)$", key)
-            if match and int(match.group(1)) >= depth:
-                past[f"{int(match.group(1)) - depth}.{match.group(2)}"] = value
-            else:
-                backbone[key] = value
+        backbone, past = _layers_past(weights, depth)
         return backbone, self._split(past, r"^(\d+)\.(.+)$", keep, convert)[1]
 
     def build(self, model, config, weights, n_layers):
