@@ -553,6 +553,24 @@ class Exaone(_ExtraLayerHead):
         return head.norm
 
 
+def _through_stock_sanitize(tensors, stock_sanitize, stand_in, back):
+    """``tensors`` with those ``stand_in(key)`` renames (to a backbone name the release's own
+    ``sanitize`` converts) run through ``stock_sanitize`` and renamed back by ``back(key)`` (None:
+    not the head's); the others as they are."""
+    rest, renamed = {}, {}
+    for key, value in tensors.items():
+        name = stand_in(key)
+        if name is None:
+            rest[key] = value
+        else:
+            renamed[name] = value
+    for key, value in stock_sanitize(renamed).items():
+        name = back(key)
+        if name is not None:
+            rest[name] = value
+    return rest
+
+
 def _first_of(tensors):
     """What ``mtp_status`` adds when a checkpoint ships more MTP layers than the one kept."""
     layers = {m.group(1) for k in tensors for m in [re.search(r"\bmtp\.layers\.(\d+)\.", k)] if m}
@@ -587,20 +605,23 @@ class MiMoV2(_ExtraLayerHead):
     def sanitize_head(self, model, tensors, stock_sanitize):
         """The head's tensors through the release's own ``sanitize`` as backbone layer ``i``
         (its fp8 dequantization), then back under their names."""
-        renamed, prefixes, rest = {}, {}, {}
-        for key, value in tensors.items():
+        prefixes = {}
+
+        def stand_in(key):
             match = self._LAYER_KEY.match(key)
             if match is None:
-                rest[key] = value
-                continue
+                return None
             prefix, index, tail = match.groups()
             prefixes[index] = prefix
-            renamed[f"model.layers.{index}.{tail}"] = value
-        for key, value in stock_sanitize(renamed).items():
+            return f"model.layers.{index}.{tail}"
+
+        def back(key):
             match = re.match(r"^model\.layers\.(\d+)\.(.+)$", key)
             if match and match.group(1) in prefixes:
-                rest[f"{prefixes[match.group(1)]}layers.{match.group(1)}.{match.group(2)}"] = value
-        return rest
+                return f"{prefixes[match.group(1)]}layers.{match.group(1)}.{match.group(2)}"
+            return None
+
+        return _through_stock_sanitize(tensors, stock_sanitize, stand_in, back)
 
     def status_note(self, tensors):
         return _first_of(tensors)
@@ -839,20 +860,21 @@ class LongcatFlash(_ExtraLayerHead):
     def sanitize_head(self, model, tensors, stock_sanitize):
         """The head's attention tensors through the release's own ``sanitize`` as backbone layer
         0's first attention, then back under their names."""
-        renamed, prefixes, rest = {}, {}, {}
-        for key, value in tensors.items():
+        prefixes, stand_in_prefix = [], "model.layers.0.self_attn.0."
+
+        def stand_in(key):
             match = self._LAYER.match(key)
             if match is None:
-                rest[key] = value
-                continue
-            prefixes[match.group(2)] = match.group(1)
-            renamed[f"model.layers.0.self_attn.0.{match.group(2)}"] = value
-        for key, value in stock_sanitize(renamed).items():
-            tail = key[len("model.layers.0.self_attn.0."):] if key.startswith("model.layers.0.self_attn.0.") else None
-            if tail is not None:
-                prefix = next(iter(prefixes.values()))
-                rest[f"{prefix}layers.0.self_attn.{tail}"] = value
-        return rest
+                return None
+            prefixes.append(match.group(1))
+            return stand_in_prefix + match.group(2)
+
+        def back(key):
+            if not key.startswith(stand_in_prefix):
+                return None
+            return f"{prefixes[0]}layers.0.self_attn.{key[len(stand_in_prefix):]}"
+
+        return _through_stock_sanitize(tensors, stock_sanitize, stand_in, back)
 
     def build(self, model, config, weights, n_layers):
         import mlx.nn as nn
