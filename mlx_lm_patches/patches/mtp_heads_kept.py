@@ -100,7 +100,8 @@ def _load_model_with_mtp(wrapped, instance, args, kwargs, track=None):
 
 
 # Families whose Model.shard (tensor parallelism) the head's layers go through too (where defined).
-SHARDED_FAMILIES = ("qwen3_5", "deepseek_v3", "deepseek_v32", "glm4_moe", "glm4_moe_lite", "exaone_moe", "step3p5")
+SHARDED_FAMILIES = ("qwen3_5", "deepseek_v3", "deepseek_v32", "glm4_moe", "glm4_moe_lite", "exaone_moe", "step3p5",
+                    "longcat_flash")
 
 
 def _shard_with_head(wrapped, instance, args, kwargs):

@@ -116,6 +116,11 @@ class _Family:
 
         return KVCache()
 
+    def shard_view(self, layers, group):
+        """The head's ``layers`` as the family's ``Model.shard`` expects the backbone's (they are
+        the family's own layer classes)."""
+        return layers
+
 
 class _DecoderLayers(_Family):
     """Heads whose layers are all attention decoder layers, each with its own KV cache."""
@@ -907,6 +912,26 @@ class LongcatFlash(_ExtraLayerHead):
 
     def attention_mask(self, z, cache):
         return _array_mask(z, cache)
+
+    def shard_view(self, layers, group):
+        """Each head layer as the family's two-attention block that ``Model.shard`` walks: its
+        attention as the block's list of attentions, its MLP as the block's list of dense MLPs,
+        and an expert stand-in (which the head does not have) for the block's shortcut MoE."""
+        import types
+
+        return [types.SimpleNamespace(self_attn=[layer.self_attn], mlps=[layer.mlp], mlp=_no_experts(group.size()))
+                for layer in layers]
+
+
+def _no_experts(ranks):
+    """A throwaway sparse MoE for ``Model.shard`` to split (the head has none): projections of
+    ``ranks`` rows, so any split of them is whole."""
+    import mlx.nn as nn
+
+    moe, moe.switch_mlp = nn.Module(), nn.Module()
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        setattr(moe.switch_mlp, name, nn.Linear(ranks, ranks, bias=False))
+    return moe
 
 
 def _array_mask(z, cache):

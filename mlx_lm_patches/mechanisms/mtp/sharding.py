@@ -41,13 +41,15 @@ def shard_head(shard_function, model, group) -> None:
     in ``model.mtp_status``."""
     import mlx.core as mx
 
+    from mlx_lm_patches.mechanisms.mtp.families import family_of
+
     head = model.__dict__.get("mtp")
     if head is None or head.__dict__.get(SHARDED):
         return
     group = group or mx.distributed.init()
     status = model.__dict__.get("mtp_status", "MTP head kept")
     try:
-        shard_function(_stand_in(head.layers), group)
+        shard_function(_stand_in(family_of(model).shard_view(list(head.layers), group)), group)
     except Exception as exc:  # noqa: BLE001 - any failure leaves the head in an unknown state
         model.__dict__["mtp"] = None
         model.__dict__["mtp_status"] = (f"MTP head dropped: {type(model).__module__}.Model.shard could not "
