@@ -148,7 +148,7 @@ def cost_split(model, args):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-types", nargs="+", default=["qwen3_5", "deepseek_v3", "deepseek_v32", "glm4_moe", "exaone_moe", "mimo_v2_flash", "step3p5",
-                                 "bailing_moe_v3", "longcat_flash"])
+                                 "bailing_moe_v3", "longcat_flash", "longcat_flash_ngram"])
     parser.add_argument("--shares", type=float, nargs="+", default=[0.0, 0.5, 0.8, 1.0])
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)

@@ -37,7 +37,8 @@ CASES = ([(f, how) for f in FAMILIES for how in ("fp", "q4", "mixed_3_6")]
          + [(f, how) for f, how in (("deepseek_v3", "q4"), ("deepseek_v32", "q4"), ("glm4_moe", "q4"),
                                     ("glm4_moe_lite", "fp"), ("mimo", "q4"), ("ernie4_5_moe", "q4"),
                                     ("exaone_moe", "q4"), ("mimo_v2_flash", "q4"),
-                                    ("step3p5", "q4"), ("bailing_moe_v3", "q4"), ("longcat_flash", "q4"))
+                                    ("step3p5", "q4"), ("bailing_moe_v3", "q4"), ("longcat_flash", "q4"),
+                                    ("longcat_flash_ngram", "q4"))
             if importlib.util.find_spec(f"mlx_lm.models.{f}") is not None])
 
 
@@ -192,6 +193,9 @@ SAME_KIND = {
     "longcat_flash": [("model.layers.{i}.self_attn.0.q_a_proj", "layers.0.self_attn.q_a_proj"),
                       ("model.layers.{i}.self_attn.0.o_proj", "layers.0.self_attn.o_proj"),
                       ("model.layers.{i}.mlps.0.gate_proj", "layers.0.mlp.gate_proj")],
+    "longcat_flash_ngram": [("model.layers.{i}.self_attn.0.q_a_proj", "layers.0.self_attn.q_a_proj"),
+                            ("model.layers.{i}.self_attn.0.o_proj", "layers.0.self_attn.o_proj"),
+                            ("model.layers.{i}.mlps.0.gate_proj", "layers.0.mlp.gate_proj")],
     # the head's layer: gated latent attention (as the backbone's last) with the sparse MoE
     "bailing_moe_v3": [("model.layers.{i}.attention.g_proj", "layers.0.attention.g_proj"),
                        ("model.layers.{i}.attention.dense", "layers.0.attention.dense"),

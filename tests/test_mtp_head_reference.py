@@ -18,7 +18,7 @@ mlx_lm_patches.apply()
 
 FAMILIES = [f for f in ("qwen3_next", "qwen3_5", "qwen3_5_moe", "nemotron_h", "deepseek_v3", "deepseek_v32", "glm4_moe",
                         "glm4_moe_lite", "mimo", "ernie4_5_moe", "exaone_moe", "mimo_v2_flash", "step3p5",
-                        "bailing_moe_v3", "longcat_flash")
+                        "bailing_moe_v3", "longcat_flash", "longcat_flash_ngram")
             if importlib.util.find_spec(f"mlx_lm.models.{f}") is not None]
 EXTRA_LAYER = ("deepseek_v3", "deepseek_v32", "glm4_moe", "glm4_moe_lite", "mimo")  # the head: one more decoder layer
 
@@ -94,7 +94,11 @@ def _one_step_model(model, config, head, fused):
         blocks = {f"layers.0.{k}": v for k, v in tree_flatten(head.layers[0].parameters())}
         final_norm = head.final_layernorm.weight
         main_head = model.lm_head
-    elif model.model_type == "longcat_flash":
+    elif model.model_type in ("longcat_flash", "longcat_flash_ngram"):
+        # (LongCat-Flash-Lite: the same blocks in LongCat-Flash's model, which takes embeddings as rows)
+        config = dict({k: v for k, v in config.items() if k not in ("ngram_vocab_size_ratio", "emb_neighbor_num",
+                                                                    "emb_split_num")},
+                      model_type="longcat_flash", attention_method="MLA", attention_bias=config.get("attention_bias", False))
         # the family's own two-attention block: its first attention and MLP the head's, the second
         # half and the shortcut MoE adding nothing (zero output projections; identity experts
         # never routed to)
@@ -135,7 +139,7 @@ def _one_step_model(model, config, head, fused):
         blocks = {f"layers.0.{k}": v for k, v in tree_flatten(head.layers[0].parameters())}
         final_norm = head.norm.weight
         main_head = model.lm_head if model.model_type == "qwen3_next" else model.language_model.lm_head
-    model_class, args_class = _model_classes(config, model.model_type)
+    model_class, args_class = _model_classes(config, config.get("model_type", model.model_type))
     reference = model_class(args_class.from_dict(config))
     table = mx.zeros((text["vocab_size"], fused.shape[-1]))
     table[:tokens] = fused[0]
@@ -202,6 +206,10 @@ def test_mtp_forward_is_the_documented_head(tmp_path, family):
         head = model.mtp
         embedding_norm, hidden_norm, projection = head.enorm, head.hnorm, head.eh_proj
         embedded = model.model.embed_tokens(next_ids)
+    elif family == "longcat_flash_ngram":  # the same, the model's n-gram embedding over x_1.. (x_0 not in it)
+        head = model.mtp
+        embedding_norm, hidden_norm, projection = head.enorm, head.hnorm, head.eh_proj
+        embedded = model.model.ngram_embeddings(next_ids)
     elif family == "bailing_moe_v3":  # eh_proj(concat[enorm(e), hnorm(h)]), the model's word embeddings
         head = model.mtp
         embedding_norm, hidden_norm, projection = head.enorm, head.hnorm, head.eh_proj
@@ -223,6 +231,34 @@ def test_mtp_forward_is_the_documented_head(tmp_path, family):
         reference = _one_step_model(model, config, model.mtp, fused)
         expected = reference(mx.arange(fused.shape[1])[None])
     worst = mx.abs(logits - expected).max().item()
+    assert worst < LOGPROB_TOLERANCE, worst
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.family_sweep(MTP_MODEL_TYPES)
+def test_mtp_forward_in_pieces_equals_one_pass(tmp_path, family):
+    """The head run over a sequence in pieces through one cache (as the draft runs it: a
+    catch-up, single steps, a trim and a rerun) gives the logits of one pass over it: what a
+    head carries between calls (its KV cache; LongCat-Flash-Lite's n-gram context of the
+    draft's tokens) follows every piece and every trim."""
+    import mlx.core as mx
+
+    from mlx_lm import load
+
+    written = write_mtp_checkpoint(tmp_path, family, dtype="float32")
+    model = load(str(written.folder))[0]
+    sequence = prompt_tokens(14, seed=11)
+    model.make_draft_model()
+    model(mx.array(sequence)[None])
+    hidden = model.hidden_states()["post"][:, :-1]
+    next_ids = mx.array(sequence[1:])[None]
+    whole, _ = model.mtp_forward(hidden, next_ids, model.make_mtp_cache())
+    cache = model.make_mtp_cache()
+    pieces = [model.mtp_forward(hidden[:, a:b], next_ids[:, a:b], cache)[0] for a, b in ((0, 5), (5, 6), (6, 7), (7, 10))]
+    for layer_cache in cache:  # the last three positions taken back, then run again
+        layer_cache.trim(3)
+    pieces = pieces[:-1] + [model.mtp_forward(hidden[:, 7:13], next_ids[:, 7:13], cache)[0]]
+    worst = mx.abs(mx.concatenate(pieces, axis=1) - whole).max().item()
     assert worst < LOGPROB_TOLERANCE, worst
 
 

@@ -36,7 +36,7 @@ from mlx_lm_patches.demos.tiny_models import build_tiny_model
 mlx_lm_patches.apply()
 
 FAMILIES = [f for f in DEEPSEEK_LAYOUT + ("mimo", "ernie4_5_moe", "exaone_moe", "mimo_v2_flash", "step3p5",
-                                          "bailing_moe_v3", "longcat_flash")
+                                          "bailing_moe_v3", "longcat_flash", "longcat_flash_ngram")
             if importlib.util.find_spec(f"mlx_lm.models.{f}") is not None]
 pytestmark = pytest.mark.skipif(not FAMILIES, reason="this mlx-lm has none of these families")
 
@@ -77,7 +77,7 @@ def test_the_head_is_kept_exactly(written, family, form):
         assert model.mtp_status.startswith("MTP head kept: 1 layer(s) (the first of the checkpoint's 2; the "
                                            "others are not used)"), model.mtp_status
         assert model.mtp_status.endswith("from the checkpoint's layer model.layers.3"), model.mtp_status
-    elif form == "hf" and family == "longcat_flash":  # model.mtp.*, its copy of the embedding not loaded
+    elif form == "hf" and family in ("longcat_flash", "longcat_flash_ngram"):  # model.mtp.*, its copy of the embedding not loaded
         assert model.mtp_status.endswith("from the checkpoint's mtp.* keys; embedding and output head shared with "
                                          "the model (the checkpoint's 1 copies of them not loaded)"), model.mtp_status
     elif form == "hf" and family == "bailing_moe_v3":  # model.layers.4, no copies of the shared parts
@@ -146,7 +146,7 @@ def _derivable(model):
         head.shared_head.output.weight = model.lm_head.weight
     elif model.model_type in ("mimo_v2_flash", "bailing_moe_v3"):  # eh_proj(concat[enorm(e), hnorm(h)]), final_layernorm
         projection, norms, hidden_first = head.eh_proj, (head.enorm, head.hnorm, head.final_layernorm), False
-    elif model.model_type == "longcat_flash":  # eh_proj(concat[enorm.m(e), hnorm.m(h)]), model.mtp.norm
+    elif model.model_type in ("longcat_flash", "longcat_flash_ngram"):  # eh_proj(concat[enorm.m(e), hnorm.m(h)]), model.mtp.norm
         projection, norms, hidden_first = head.eh_proj, (head.enorm, head.hnorm, head.norm), False
     else:  # eh_proj(concat[enorm(e), hnorm(h)]), then shared_head.norm
         projection, norms, hidden_first = head.eh_proj, (head.enorm, head.hnorm, head.shared_head.norm), False

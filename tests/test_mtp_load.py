@@ -80,6 +80,33 @@ def test_checkpoint_without_mtp(tmp_path):
     assert model.mtp is None and model.mtp_status == "no MTP head in this checkpoint"
 
 
+@pytest.mark.parametrize("family, why", [("kimi_linear", "its checkpoints ship no MTP layer"),
+                                         ("kimi_k3", "its released checkpoints ship no MTP layer")])
+def test_families_without_a_published_head_say_why(tmp_path, family, why):
+    """Kimi-Linear and Kimi K3 checkpoints ship no MTP layer (mlx-lm's sanitize drops ``mtp`` keys
+    defensively): a config declaring one loads the model as without the declaration, and the
+    status says why no head is kept."""
+    import copy
+
+    import mlx.core as mx
+
+    from mlx_lm_patches.demos.model_folder import write_model_folder
+    from mlx_lm_patches.demos.tiny_models import build_tiny_model, tiny_config
+
+    if importlib.util.find_spec(f"mlx_lm.models.{family}") is None:
+        pytest.skip(f"this mlx-lm has no {family}")
+    config = tiny_config(family)
+    declared = copy.deepcopy(config)
+    declared.get("text_config", declared)["num_nextn_predict_layers"] = 1
+    model = build_tiny_model(family, seed=3)
+    plain = _load(write_model_folder(tmp_path / "plain", model, config))
+    model = _load(write_model_folder(tmp_path / "declared", model, declared))
+    assert model.mtp is None
+    assert model.mtp_status.startswith(f"MTP heads of {family} are not kept yet: {why}"), model.mtp_status
+    ids = mx.array([[3, 1, 4, 1, 5]])
+    assert mx.array_equal(model(ids), plain(ids))
+
+
 def test_other_families_say_their_head_is_not_kept(tmp_path):
     """A family whose MTP head is not kept (here llama declaring a DeepSeek-style MTP layer):
     the model loads as stock mlx-lm loads it and the status says the head is not kept."""
@@ -92,7 +119,7 @@ def test_other_families_say_their_head_is_not_kept(tmp_path):
     assert model.mtp is None
     assert model.mtp_status == ("MTP heads of llama are not kept yet: the layout of its MTP layers has not been "
                                 "read yet (kept: bailing_moe_v3, deepseek_v3, deepseek_v32, ernie4_5_moe, exaone_moe, glm4_moe, "
-                                "glm4_moe_lite, longcat_flash, mimo, mimo_v2_flash, nemotron_h, qwen3_5, qwen3_5_moe, "
+                                "glm4_moe_lite, longcat_flash, longcat_flash_ngram, mimo, mimo_v2_flash, nemotron_h, qwen3_5, qwen3_5_moe, "
                                 "qwen3_next, step3p5)")
 
 

@@ -36,6 +36,8 @@ shared embedding and output head), the backbone likewise (its short convolutions
 ``hnorm.m``, ``eh_proj``, ``input_layernorm``, ``self_attn.*`` with ``kv_b_proj`` unsplit,
 ``post_attention_layernorm``, ``transformer_layer.mlp.*``), ``model.mtp.norm`` and a copy of the
 embedding (``model.mtp.embed_tokens``); the backbone's experts per expert, ``kv_b_proj`` unsplit.
+``longcat_flash_ngram`` (LongCat-Flash-Lite) the same, its copy being of the n-gram embedding's
+word embeddings.
 
 ``ernie4_5_moe`` (three layers) in HF form stores its head as ``model.mtp_emb_norm.0``,
 ``model.mtp_hidden_norm.0``, ``model.mtp_linear_proj.0`` and ``model.mtp_block.0.*`` (a dense
@@ -194,7 +196,7 @@ DEEPSEEK_LAYOUT = ("deepseek_v3", "deepseek_v32", "glm4_moe", "glm4_moe_lite")  
 # layout first, see tests/support/sweeps.py)
 MTP_MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "nemotron_h", "deepseek_v3", "deepseek_v32",
                    "glm4_moe", "glm4_moe_lite", "mimo", "ernie4_5_moe", "exaone_moe", "mimo_v2_flash",
-                   "step3p5", "bailing_moe_v3", "longcat_flash")
+                   "step3p5", "bailing_moe_v3", "longcat_flash", "longcat_flash_ngram")
 
 
 def _deepseek_to_hf(params):
@@ -338,7 +340,7 @@ def write_mtp_checkpoint(root, family, *, form="mlx", quantized=False, placement
             layer = head_params if i == 0 else _random_like(head_params, seed=3000 + i)
             flat = {(k[len("layers.0."):] if k.startswith("layers.0.") else k): v for k, v in layer.items()}
             mtp.update({f"model.layers.{depth + i}.{k}": v for k, v in _step_to_hf(flat).items()})
-    elif form == "hf" and family == "longcat_flash":  # model.mtp.layers.0 (.m fusion norms), model.mtp.norm
+    elif form == "hf" and family in ("longcat_flash", "longcat_flash_ngram"):  # model.mtp.layers.0 (.m fusion norms), model.mtp.norm
         weights = _deepseek_to_hf(backbone)
         mtp = {}
         for key, value in _deepseek_to_hf(head_params).items():
@@ -347,7 +349,8 @@ def write_mtp_checkpoint(root, family, *, form="mlx", quantized=False, placement
             elif key.startswith("eh_proj."):
                 key = f"layers.0.{key}"
             mtp[f"model.mtp.{key.replace('layers.0.mlp.', 'layers.0.transformer_layer.mlp.')}"] = value
-        mtp["model.mtp.embed_tokens.weight"] = backbone["model.embed_tokens.weight"]
+        mtp["model.mtp.embed_tokens.weight"] = backbone.get("model.embed_tokens.weight",
+                                                            backbone.get("model.ngram_embeddings.word_embeddings.weight"))
     elif form == "hf" and family == "bailing_moe_v3":  # the head is layer num_hidden_layers, no shared copies
         weights = _bailing_to_hf(backbone)
         layer = {(k[len("layers.0."):] if k.startswith("layers.0.") else k): v for k, v in head_params.items()}

@@ -2,7 +2,8 @@
 MTP head kept (Qwen3-Next, Qwen3.5/3.6 dense and MoE, Nemotron-H; DeepSeek-V3, DeepSeek-V3.2,
 GLM-4.5/4.6/4.7 and GLM-4.7-Flash, whose head is the layer after the backbone's last; MiMo's
 ``mtp_layers``; ERNIE 4.5 MoE's ``mtp_block``; K-EXAONE's ``mtp.*``; MiMo-V2-Flash's
-``model.mtp.layers.0``; Ling 3.0's layer past the backbone's; LongCat-Flash's ``model.mtp``).
+``model.mtp.layers.0``; Ling 3.0's layer past the backbone's; LongCat-Flash's and
+LongCat-Flash-Lite's ``model.mtp``).
 
 Bug
     mlx-lm has no module for the MTP head that Qwen3-Next, Qwen3.5/3.6 and Nemotron-H
@@ -19,7 +20,7 @@ Bug
       fails the same way (deepseek_v32 too up to 0.30.6; later releases drop every layer past
       the backbone's); glm4_moe and glm4_moe_lite drop the layer, mimo its ``mtp_layers``,
       ernie4_5_moe its ``mtp_*`` tensors, exaone_moe its ``mtp.*`` ones,
-      mimo_v2_flash and longcat_flash their ``model.mtp.*`` ones, step3p5 and bailing_moe_v3
+      mimo_v2_flash, longcat_flash and longcat_flash_ngram their ``model.mtp.*`` ones, step3p5 and bailing_moe_v3
       their layers past the backbone's.
     * everywhere else the head is dropped without a word; an ``mtp.safetensors`` sidecar is
       never read.
@@ -101,7 +102,7 @@ def _load_model_with_mtp(wrapped, instance, args, kwargs, track=None):
 
 # Families whose Model.shard (tensor parallelism) the head's layers go through too (where defined).
 SHARDED_FAMILIES = ("qwen3_5", "deepseek_v3", "deepseek_v32", "glm4_moe", "glm4_moe_lite", "exaone_moe", "step3p5",
-                    "longcat_flash")
+                    "longcat_flash", "longcat_flash_ngram")
 
 
 def _shard_with_head(wrapped, instance, args, kwargs):
@@ -109,7 +110,10 @@ def _shard_with_head(wrapped, instance, args, kwargs):
     from mlx_lm_patches.mechanisms.mtp.sharding import shard_head
 
     result = wrapped(*args, **kwargs)
-    shard_head(wrapped.__func__, instance, bind_arguments(wrapped, args, kwargs).arguments.get("group"))
+    function = getattr(wrapped, "__func__", None)
+    if function is None:  # called through the class by another family's shard (LongCat-Flash-Lite's
+        return result     # calls LongcatFlashLM.shard(self, group)): the outer call splits the head
+    shard_head(function, instance, bind_arguments(wrapped, args, kwargs).arguments.get("group"))
     return result
 
 

@@ -283,7 +283,7 @@ def mtp_forward(model, hidden, next_ids, cache, fusion=None):
     fusion = _fusion_order(model, fusion)
     head, family = _head(model), family_of(model)
     embedding_norm, hidden_norm, projection = family.fusion(head)
-    embedded = embedding_norm(family.embed(model, next_ids))
+    embedded = embedding_norm(family.embed(model, next_ids, cache))
     normed = hidden_norm(hidden)
     halves = [embedded, normed] if fusion == "embedding-first" else [normed, embedded]
     z = projection(mx.concatenate(halves, axis=-1))

@@ -41,7 +41,8 @@ layers (attention layers with their own KV cache), the head's final norm, the sh
   ``bailing_moe_v3_mtp.py``).
 * LongCat-Flash (longcat_flash): ``model.mtp.layers.0`` (``enorm.m``, ``hnorm.m``, ``eh_proj``,
   one block of latent attention and dense MLP), ``model.mtp.norm`` (vLLM's
-  ``longcat_flash_mtp.py``).
+  ``longcat_flash_mtp.py``). LongCat-Flash-Lite (longcat_flash_ngram): the same, the next token
+  embedded by the model's own n-gram embedding over the draft's tokens (Meituan's engine).
 * ERNIE 4.5 MoE (ernie4_5_moe): ``model.mtp_emb_norm.{i}``, ``model.mtp_hidden_norm.{i}``,
   ``model.mtp_linear_proj.{i}`` (the normalized embedding first) and ``model.mtp_block.{i}``, a
   dense decoder layer whose output goes to the shared output head with no norm between (vLLM's
@@ -198,7 +199,7 @@ class Qwen(_DecoderLayers):
     def head_norm(self, head):
         return head.norm
 
-    def embed(self, model, ids):
+    def embed(self, model, ids, cache=None):
         return self._text(model).model.embed_tokens(ids)
 
     def final_norm(self, model):
@@ -290,7 +291,7 @@ class NemotronH(_Family):
     def head_norm(self, head):
         return head.layers[-1].final_layernorm
 
-    def embed(self, model, ids):
+    def embed(self, model, ids, cache=None):
         return model.backbone.embeddings(ids)
 
     def final_norm(self, model):
@@ -349,7 +350,7 @@ class _ExtraLayerHead(_DecoderLayers):
         setattr(head, projection, nn.Linear(2 * hidden, hidden, bias=bias))
         return head
 
-    def embed(self, model, ids):
+    def embed(self, model, ids, cache=None):
         return self._inner(model).embed_tokens(ids)
 
     def final_norm(self, model):
@@ -812,7 +813,7 @@ class BailingV3(DeepSeekV3):
     def head_norm(self, head):
         return head.final_layernorm
 
-    def embed(self, model, ids):
+    def embed(self, model, ids, cache=None):
         return model.model.word_embeddings(ids)
 
     def logits(self, model, out):
@@ -923,6 +924,63 @@ class LongcatFlash(_ExtraLayerHead):
                 for layer in layers]
 
 
+
+class LongcatFlashNgram(LongcatFlash):
+    """LongCat-Flash-Lite (longcat_flash_ngram, 0.30.6 and later): the same MTP layer as
+    LongCat-Flash (``model.mtp.layers.0``, ``model.mtp.norm``; one layer, no config key for it),
+    behind a model whose input embedding adds hashed n-gram embeddings of the preceding tokens.
+    The next token is embedded by the model's own n-gram embedding, over the draft's own token
+    stream (the tokens ``x_{t+1}`` it has been given, so the first token of the sequence is never
+    in its n-gram context): Meituan's own engine (meituan-longcat/SGLang-FluentLLM,
+    ``flash_nextn.py`` and ``over_embedding.py``: the draft calls the target's n-gram embedding,
+    the sequence's first token left out of it) does so; vLLM's ``longcat_flash_mtp.py`` uses the
+    plain word embedding instead. The checkpoint's ``model.mtp.embed_tokens`` is not loaded
+    (Meituan's engine skips it too). The head's caches carry the tokens they have seen, so the
+    n-gram context follows every trim of the draft."""
+
+    names = ("longcat_flash_ngram",)
+
+    def layer_cache(self, model):
+        return _tokens_kv_cache_class()()
+
+    def status_note(self, tensors):
+        return "the next token embedded by the model's n-gram embedding over the draft's tokens"
+
+    def embed(self, model, ids, cache=None):
+        """``ids`` embedded by the model's n-gram embedding after the tokens the head's first
+        cache holds (its last ``emb_neighbor_num - 1``); then recorded there."""
+        import mlx.core as mx
+
+        ngram = model.model.ngram_embeddings
+        seen = cache[0] if cache else None
+        context = None
+        if seen is not None and seen.tokens is not None and seen.tokens.shape[1]:
+            context = seen.tokens[:, max(0, seen.tokens.shape[1] - ngram.n + 1):]
+        out = ngram(ids, cache=[context])
+        if seen is not None:
+            seen.tokens = ids if seen.tokens is None else mx.concatenate([seen.tokens, ids.astype(seen.tokens.dtype)], axis=1)
+        return out
+
+
+@functools.lru_cache(maxsize=None)
+def _tokens_kv_cache_class():
+    """mlx-lm's ``KVCache`` that also keeps the token ids of its positions (``tokens``, [B, offset]
+    once the layer has run), trimmed with it."""
+    from mlx_lm.models.cache import KVCache
+
+    class TokensKVCache(KVCache):
+        def __init__(self):
+            super().__init__()
+            self.tokens = None
+
+        def trim(self, n):
+            n = super().trim(n)
+            if self.tokens is not None:
+                self.tokens = self.tokens[:, :self.offset]
+            return n
+
+    return TokensKVCache
+
 def _no_experts(ranks):
     """A throwaway sparse MoE for ``Model.shard`` to split (the head has none): projections of
     ``ranks`` rows, so any split of them is whole."""
@@ -951,12 +1009,15 @@ def _identity(x):
 
 
 FAMILIES = {name: family for family in (Qwen(), NemotronH(), DeepSeekV3(), MiMo(), Ernie(), Exaone(), MiMoV2(), Step3p5(),
-                                        BailingV3(), LongcatFlash())
+                                        BailingV3(), LongcatFlash(), LongcatFlashNgram())
             for name in family.names}
 
 
 # Why the heads of families mlx-lm drops MTP layers for are not kept (what ``mtp_status`` says).
 NOT_KEPT = {
+    "kimi_k3": ("its released checkpoints ship no MTP layer (num_nextn_predict_layers 0, no such tensors in the "
+                "weight index; vLLM's kimi_k3 MTP model is written for a head no checkpoint has published), so "
+                "there is nothing to check a port against"),
     "kimi_linear": ("its checkpoints ship no MTP layer (no MTP setting in its config, no Kimi-Linear MTP model "
                     "in vLLM or SGLang, the published weight index lists the decoder layers only)"),
     "deepseek_v41": ("its mtp.* tensors are a block drafter (DeepSeek's DSpark: several tokens per pass from "
