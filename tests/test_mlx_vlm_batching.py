@@ -176,19 +176,45 @@ def test_stock_rows_inserted_one_by_one_are_wrong_where_measured(model_type, rev
 
 
 @pytest.mark.parametrize("model_type", vlm.MODEL_TYPES)
-def test_rows_prefilled_in_chunks_equal_each_prompt_alone(model_type, request):
+def test_rows_prefilled_in_chunks_equal_each_prompt_alone(model_type):
     """``prefill_step_size=3``: the 5- and 9-token rows are still in their padding after the first
     chunks (Qwen3.5 clamps those negative offsets at 0 when it builds positions: the patch keeps
-    them). mlx-vlm 0.6.0 - 0.6.4's Qwen3.5 prefills padded rows one by one and crashes on a
-    chunk that is all padding for a row (fixed in 0.6.5; not patched: README, Not fixed yet)."""
-    from packaging.version import Version
-
+    them; on mlx-vlm 0.6.0 - 0.6.4 its row-by-row prefill would crash on those chunks:
+    ``mlx-vlm-qwen3-5-padding-chunks-widened``)."""
     _prefill_patched_module(model_type)
-    if model_type.startswith("qwen3_5") and Version("0.6.0") <= Version(_installed_mlx_vlm()) < Version("0.6.5"):
-        request.applymarker(pytest.mark.xfail(strict=True, raises=ValueError, reason=(
-            "mlx-vlm 0.6.0 - 0.6.4's Qwen3.5 cannot prefill a chunk that is all padding for a row")))
     run = lambda model, rows: vlm.vlm_rows_batched(model, rows, prefill_step_size=3)  # noqa: E731
     assert vlm.batched_problem(vlm.build(model_type), model_type, run) is None
+
+
+WIDENED = "mlx-vlm-qwen3-5-padding-chunks-widened"
+
+
+@pytest.mark.parametrize("model_type,reverted", [pytest.param(m, [WIDENED], id=m, marks=xfail_if_affected(WIDENED))
+                                                 for m in ("qwen3_5", "qwen3_5_moe")], indirect=["reverted"])
+def test_stock_padding_only_chunks_crash_where_affected(model_type, reverted):
+    """The chunk widening reverted: mlx-vlm 0.6.0 - 0.6.4's Qwen3.5 raises on a chunk that is
+    only padding for a row (strict xfail there)."""
+    _prefill_patched_module(model_type)
+    run = lambda model, rows: vlm.vlm_rows_batched(model, rows, prefill_step_size=3)  # noqa: E731
+    assert vlm.batched_problem(vlm.build(model_type), model_type, run) is None
+
+
+@pytest.mark.parametrize("lengths", [(2, 13), (1, 13), (13, 5, 1)], ids=["two-tokens", "one-token", "three-rows"])
+def test_chunks_widened_for_rows_of_one_or_two_tokens(lengths):
+    """Rows whose real tokens start in the last columns (a one-token prompt: only the column the
+    generator holds back for its final pass) beside a long one, in chunks of 3: each equals the
+    prompt alone (0.6.0 - 0.6.4: the chunk widened, or chunking turned off for the batch)."""
+    from mlx_lm_patches.demos.scenarios import prompt_tokens
+
+    _skip_unless_driven("qwen3_5")
+    _prefill_patched_module("qwen3_5")
+    model = vlm.build("qwen3_5")
+    rows = [prompt_tokens(n, seed=n) for n in lengths]
+    got = vlm.vlm_rows_batched(model, rows, prefill_step_size=3)
+    for row, decoded in zip(rows, got):
+        reference = vlm.single(model, row)
+        reference = type(reference)(reference.tokens, [lp.reshape(-1)[t] for lp, t in zip(reference.logprobs, reference.tokens)])
+        assert reference.compare(decoded) is None, (len(row), reference.compare(decoded))
 
 
 def _hands_positions(model):

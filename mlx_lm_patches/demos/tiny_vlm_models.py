@@ -760,10 +760,11 @@ def batch_generate_images_scenario(model_type: str, padding: str):
                     f"{MAX_TOKENS} tokens each"])
 
 
-def scenario_outcome(model_type: str, only=None, before_rows: bool = False):
+def scenario_outcome(model_type: str, only=None, before_rows: bool = False, prefill_step_size=None):
     """The scenario of the mlx-vlm patches: ``model_type``'s batched text generation through the
     paths of :func:`paths` (those named in ``only``, if given) equals each prompt alone.
-    ``before_rows``: a fix of mlx-vlm < 0.5's batching code, not applicable from 0.5."""
+    ``before_rows``: a fix of mlx-vlm < 0.5's batching code, not applicable from 0.5.
+    ``prefill_step_size``: rows inserted one by one (mlx-vlm >= 0.5) prefilled in chunks of it."""
     from mlx_lm_patches.engine.contract import Outcome
 
     if not available(model_type):
@@ -783,6 +784,11 @@ def scenario_outcome(model_type: str, only=None, before_rows: bool = False):
     names = {"mlx-vlm": "mlx-vlm BatchGenerator", "batch_generate": "mlx-vlm BatchGenerator as batch_generate feeds it",
              "mlx-lm": "mlx-lm BatchGenerator"}
     chosen = {key: run for key, run in paths().items() if only is None or key in only}
+    if prefill_step_size is not None:
+        if not takes_rows():
+            return Outcome.not_applicable("mlx-vlm < 0.5 inserts one padded batch, not rows to prefill in chunks")
+        chosen = {key: functools.partial(run, prefill_step_size=prefill_step_size)
+                  for key, run in chosen.items() if run is vlm_rows_batched}
     if not chosen:
         return Outcome.not_applicable(f"this mlx-vlm has none of the paths {', '.join(only)}")
     for key, run in chosen.items():
@@ -793,7 +799,8 @@ def scenario_outcome(model_type: str, only=None, before_rows: bool = False):
             return Outcome.failure(f"mlx-vlm {model_type} through the {name}", exc)
         if problem:
             return Outcome.failure(f"{problem} (through the {name})")
-        details.append(f"{name}: prompts of {'/'.join(map(str, PROMPT_LENGTHS))} tokens exact")
+        chunks = f", prefilled in chunks of {prefill_step_size}" if prefill_step_size else ""
+        details.append(f"{name}: prompts of {'/'.join(map(str, PROMPT_LENGTHS))} tokens{chunks} exact")
     return Outcome(True, f"mlx-vlm {model_type}: batched text generation equals each prompt alone",
                    details)
 
