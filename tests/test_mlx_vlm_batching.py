@@ -412,7 +412,7 @@ def test_mlx_vlm_patches_are_decided_when_mlx_vlm_model_code_is_imported():
     before, after, status = ran.json()
     expected = {pid: ROWS[pid].state for pid in before}
     assert set(before) == {*POSITIONS.values(), *PREFILL.values(), "mlx-vlm-gated-delta-advance", *DELTAS.values(), IMAGES_PATCH,
-                           *APC}
+                           *APC, WIDENED}
     for pid, state in expected.items():
         if state == "applied":
             assert before[pid] == "pending" and after[pid] == "applied", (pid, before[pid], after[pid])
