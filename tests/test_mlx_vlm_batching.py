@@ -199,6 +199,55 @@ def test_stock_padding_only_chunks_crash_where_affected(model_type, reverted):
     assert vlm.batched_problem(vlm.build(model_type), model_type, run) is None
 
 
+@pytest.mark.parametrize("prefill_step_size", [None, 16], ids=["unchunked", "chunks-of-16"])
+def test_prefix_cache_snapshots_inside_padding_do_not_crash_a_batch(prefill_step_size):
+    """mlx-vlm's prefix cache (an ``APCManager``) ends a prefill chunk at each prefix snapshot it
+    takes: a 5-token and a 40-token prompt together put the long one's snapshots inside the short
+    one's padding (0.6.0 - 0.6.4 stock: ValueError, chunked or not). Both, then a request
+    extending the long one and a new short one, equal each prompt alone."""
+    import importlib.util
+    import types
+
+    import mlx.core as mx
+    from mlx_vlm.utils import StoppingCriteria
+
+    from mlx_lm_patches.demos.scenarios import prompt_tokens
+
+    _skip_unless_driven("qwen3_5")
+    if importlib.util.find_spec("mlx_vlm.apc") is None or not vlm.takes_rows():
+        pytest.skip("this mlx-vlm has no prefix cache for its BatchGenerator")
+    from mlx_vlm import apc
+
+    model = vlm.build("qwen3_5")
+    language_model = model.language_model
+    generator = vlm._generation_module().BatchGenerator(
+        language_model, types.SimpleNamespace(stopping_criteria=StoppingCriteria([], None)), max_tokens=4,
+        prefill_batch_size=2, completion_batch_size=2, apc_manager=apc.APCManager(), prefill_step_size=prefill_step_size)
+
+    def answer(rows):
+        kwargs = []
+        for row in rows:
+            language_model._position_ids = language_model._rope_deltas = None
+            kwargs.append(vlm._embeddings(model, mx.array([row])))
+        uids = generator.insert(rows, 4, prompt_kwargs=kwargs)
+        out = {uid: [] for uid in uids}
+        while generator.has_work:
+            for response in generator.next()[1]:
+                out[response.uid].append(int(response.token))
+        return [out[uid] for uid in uids]
+
+    first = [prompt_tokens(5, seed=5), prompt_tokens(40, seed=40)]
+    second = [first[1] + prompt_tokens(3, seed=1), prompt_tokens(7, seed=7)]
+    try:
+        got = answer(first) + answer(second)
+    finally:
+        if hasattr(generator, "close"):
+            generator.close()
+    for row, tokens in zip(first + second, got):
+        language_model._position_ids = language_model._rope_deltas = None
+        assert tokens == vlm.single(model, row, 4).tokens, len(row)
+
+
 @pytest.mark.parametrize("lengths", [(2, 13), (1, 13), (13, 5, 1)], ids=["two-tokens", "one-token", "three-rows"])
 def test_chunks_widened_for_rows_of_one_or_two_tokens(lengths):
     """Rows whose real tokens start in the last columns (a one-token prompt: only the column the

@@ -17,9 +17,11 @@ Fix
     row's first real token (the generator's own chunking otherwise; later chunks hold no
     padding). When no chunk can (a row whose only real token is the last column, which
     ``prompt_step`` holds back), chunking is turned off for the rest of that batch: the
-    generator's final pass runs it whole, as for a batch shorter than a chunk. The model then
-    never sees a padding-only row, and computes what it computes for any other chunking.
-    The cost is the memory of one wider first chunk for such batches.
+    generator's final pass runs it whole, as for a batch shorter than a chunk. With the
+    automatic prefix cache (``APC_ENABLED=1``) a chunk also ends at each prefix snapshot; a
+    snapshot inside some row's padding is not taken (that prefix is prefilled again when next
+    asked for). The model then never sees a padding-only row, and computes what it computes
+    for any other chunking. The cost is the memory of one wider first chunk for such batches.
 
 Affected
     mlx-vlm 0.6.0 (first with the row-by-row prefill) - 0.6.4; 0.6.5 skips padding-only rows in
@@ -59,14 +61,17 @@ def _runs_rows_one_by_one(model) -> bool:
 
 
 def _widened_prompt_step(wrapped, instance, args, kwargs):
-    step = instance.prefill_step_size
-    if step is None or not instance.needs_processing() or not _runs_rows_one_by_one(instance.model):
+    if not instance.needs_processing() or not _runs_rows_one_by_one(instance.model):
         return wrapped(*args, **kwargs)
     done = instance._processed_prompt_columns
     padding = max(max(pad - done, 0) for pad in instance._left_padding_per_row)
-    width = instance._inputs_embeds.shape[1]  # columns left; prompt_step runs at most width - 1
-    if padding < min(step, width - 1):  # every row has a real token in this chunk
+    if not padding:
         return wrapped(*args, **kwargs)
+    _skip_snapshots_before(instance, done + padding)
+    step = instance.prefill_step_size
+    width = instance._inputs_embeds.shape[1]  # columns left; prompt_step runs at most width - 1
+    if padding < min(step or width, width - 1) or not instance.needs_processing():
+        return wrapped(*args, **kwargs)  # every row has a real token in this chunk (or none runs)
     if padding + 1 <= width - 1:
         instance.prefill_step_size = padding + 1
         try:
@@ -75,6 +80,18 @@ def _widened_prompt_step(wrapped, instance, args, kwargs):
             instance.prefill_step_size = step
     instance.prefill_step_size = None  # the rest in the generator's final pass
     return 0
+
+
+def _skip_snapshots_before(batch, column) -> None:
+    """The automatic prefix cache's snapshots at columns up to ``column`` (inside some row's
+    padding) are not taken: ``prompt_step`` ends a chunk at each, which would leave that row
+    only padding. Those prefixes are then not reused later (prefilled again: exact)."""
+    for row, meta in enumerate(getattr(batch, "_apc_meta", None) or ()):
+        if meta is None:
+            continue
+        at = batch._apc_checkpoint_column_for_meta(row, meta)
+        if at is not None and at <= column:
+            meta["checkpoint_done"] = True
 
 
 def apply(p):
@@ -99,7 +116,8 @@ def probe():
         names = inspect.getsource(init) if init is not None else ""
     except (OSError, TypeError):
         names = ""
-    if "_left_padding_per_row" not in names or not hasattr(batch, "prompt_step"):
+    if "_left_padding_per_row" not in names or not all(
+            hasattr(batch, name) for name in ("prompt_step", "needs_processing", "_apc_checkpoint_column_for_meta")):
         return None
     return ("mlx_vlm's Qwen3_5Model runs a padded prefill chunk row by row from each row's first "
             "real token, with no case for a row the chunk holds only padding of")
