@@ -10,8 +10,10 @@ model's true next greedy token instead (known from a reference run). For each ``
 through mlx-lm's own loop vs greedy ``generate_step`` as a ratio, whether the tokens are
 identical, and ``(1+a)/(2-a)``, the ratio for one draft token per round if a round cost two
 greedy steps. Then the cost split of one round: a draft step, the verify pass, and the rollback
-after a rejection (restore, and the tokens the next forward pass replays: none for
-attention-only models such as the DeepSeek-V3 layout, whose caches trim exactly).
+after a rejection: attention-only models (the DeepSeek-V3 layout, ...) trim their caches, no
+model call; hybrids restore the recurrent state kept before the verify pass and re-run the
+accepted tokens since (at once for an MTP draft, which reads the main model's hidden state of
+the last accepted token; fused into the next pass otherwise): both are shown.
 Every model type given is run, one after another, in the same process.
 
 Tiny models on whatever device mlx uses (CPU on Linux): only the ratios mean anything.
@@ -111,15 +113,21 @@ def cost_split(model, args):
 
     replays = {}
 
-    def rollback(k):
+    def rollback(k, rerun):
+        """Undo ``k`` rejected tokens of a verify pass: the restore alone (``rerun=False``: the
+        accepted tokens since the kept state are left to the next pass, as with an ordinary
+        draft model), or with that re-run done at once (``rerun=True``: as the loop does for an
+        MTP draft, which reads the main model's hidden state of the last accepted token)."""
         cache, journal = prepared()
+        journal.fuse = not rerun
         journal.forward(mx.array([[5] * (k + 1)]), cache)
         mx.eval([c.state for c in cache])
         start = time.perf_counter()
         trim_prompt_cache(cache, k)
         mx.eval([c.state for c in cache])
         spent = time.perf_counter() - start
-        replays[k] = journal.position - journal.pos  # replayed by the next pass before its own tokens
+        if not rerun:
+            replays[k] = journal.position - journal.pos  # left to the next pass
         journal.detach()
         return spent
 
@@ -139,10 +147,15 @@ def cost_split(model, args):
     print(f"  draft step (recycled)        {best(draft_step) / step:>5.2f}")
     for k in (1, 2):
         print(f"  verify pass of {k + 1} tokens     {best(verify, k) / step:>5.2f}")
-        cost = best(rollback, k) / step
+        restore = best(rollback, k, False) / step
         replayed = replays[k]
-        print(f"  rollback of {k} rejected token{'s' if k > 1 else ' '} {cost:>5.2f}  (restore; the next pass replays "
-              f"{replayed} token{'' if replayed == 1 else 's'}{': no model call' if not replayed else ''})")
+        if not replayed:
+            print(f"  rollback of {k} rejected token{'s' if k > 1 else ' '} {restore:>5.2f}  (caches trimmed: no model call)")
+            continue
+        rerun = best(rollback, k, True) / step
+        print(f"  rollback of {k} rejected token{'s' if k > 1 else ' '} {restore:>5.2f}  (state restore; then {replayed} "
+              f"accepted token{'' if replayed == 1 else 's'} re-run: {rerun:.2f} in all when done at once, as for an "
+              "MTP draft)")
 
 
 def main():

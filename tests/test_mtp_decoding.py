@@ -114,6 +114,55 @@ def test_draft_proposals_are_the_heads_predictions_at_the_committed_position(loa
         assert worst < LOGPROB_TOLERANCE, (committed, worst)
 
 
+class _Counting:
+    """The main model, counting its forward passes."""
+
+    def __init__(self, model):
+        self.model, self.calls = model, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.model(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.family_sweep(MTP_MODEL_TYPES)
+def test_a_rejected_mtp_draft_costs_a_hybrid_no_model_call_of_its_own(loaded, family):
+    """A hybrid main model goes back over a rejected draft by restoring the recurrent state kept
+    before the verify pass; the accepted tokens since are re-run in front of the next verify
+    pass, not in a pass of their own, although the MTP draft reads the main model in between:
+    it takes the hidden state of the last accepted token from the verify pass. Same proposals
+    (committed positions and logits) and the greedy output as when the re-run is done at once;
+    fewer main forward passes."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlx_lm_patches.mechanisms.caches import arrays_cache_class, flat_caches
+    from support.mtp_drafts import recording_draft
+
+    model = loaded[family][0]
+    if not any(isinstance(c, arrays_cache_class()) for c in flat_caches(make_prompt_cache(model))):
+        pytest.skip(f"{family} keeps no recurrent state: its caches trim here without any re-run")
+    prompt = prompt_tokens(15, seed=9)
+    reference = greedy_of(model, prompt, max_tokens=10)
+    calls, seen = {}, {}
+    for at_once in (False, True):
+        main, proposals = _Counting(model), []
+        draft = recording_draft(model, proposals)
+        if at_once:
+            draft.reads_main_model = True  # what made the loop re-run accepted tokens at once
+        got = speculative_greedy(main, draft, prompt, max_tokens=10, num_draft_tokens=2)
+        assert reference.compare(got) is None, (at_once, reference.compare(got))
+        calls[at_once], seen[at_once] = main.calls, proposals
+    assert calls[False] < calls[True], calls
+    assert [c for c, _ in seen[False]] == [c for c, _ in seen[True]]
+    for (_, fused), (_, rerun) in zip(seen[False], seen[True]):
+        assert mx.abs(fused - rerun).max().item() < LOGPROB_TOLERANCE
+
+
 def test_missing_head_is_a_clear_error(tmp_path):
     from mlx_lm import load
 

@@ -106,7 +106,8 @@ class _JournaledModel:
     """A model inside the speculative loop: its caches are journaled (see journal.py).
     ``caller_caches``: the caches, when they are the caller's prompt cache (see speculative.py).
     ``fuse``: accepted tokens a rollback went back over are re-run with the next pass - unless
-    the draft reads this model's state between the two (an MTP draft)."""
+    the draft reads this model's caches between the two (it says so: ``reads_main_model``; the
+    MTP draft does not need it: it counts the tokens left to re-run as committed)."""
 
     def __init__(self, model, caches, window, supplied=False, fuse=True):
         from mlx_lm_patches.mechanisms.journal import Journal

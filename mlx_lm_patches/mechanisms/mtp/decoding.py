@@ -14,7 +14,8 @@ started at and the token ids, by swapping the instance's ``__class__`` for a sub
 parameter tree, the logits and the class name are unchanged. The patch records that per model
 (``Patcher.track``): ``revert()`` puts the original classes back and takes the interface off. When the stock loop asks the draft
 for a token, the draft reads how far the main model has committed (the offset of its attention
-cache, after mlx-lm's trim), takes the main hidden state of the last committed position, and:
+cache, after mlx-lm's trim, plus any accepted tokens a hybrid's rollback leaves to the next
+pass to re-run), takes the main hidden state of the last committed position, and:
 
 * catches its MTP KV cache up over the committed positions it has not seen (one batched pass
   pairing each true hidden state ``h_t`` with token ``x_{t+1}``), dropping the slots it
@@ -95,6 +96,7 @@ class HiddenCapture:
         self._pending = []  # (pre, post) of each final-norm call during the current forward
         self.last = None  # {"pre", "post"} hidden states of the last forward, any batch size
         self.norm = None  # weakref to the final norm whose class was swapped
+        self._journal = None  # weakref to the rollback journal of the recorded passes' cache, if any
 
     def forward_started(self):
         self._pending = []  # norm calls outside a forward of the model (e.g. its inner model's) do not count
@@ -118,6 +120,8 @@ class HiddenCapture:
                 or inputs.shape[0] != 1 or post.ndim != 3 or post.shape[1] != inputs.shape[1]:
             return
         leaf = _position_leaf(cache)
+        journal = _journal_of(cache)
+        self._journal = weakref.ref(journal) if journal is not None else None
         current = self._leaf() if self._leaf is not None else None
         if leaf is not current:  # another sequence: what was recorded no longer applies
             self.forwards = []
@@ -140,12 +144,17 @@ class HiddenCapture:
         self.forwards = kept
 
     def committed(self, since=0) -> Optional[int]:
-        """How many positions the main model's cache holds now (after any trim), if that cache
-        was first used at or after forward pass number ``since``."""
+        """How many positions the main model has committed now (after any trim), if its cache
+        was first used at or after forward pass number ``since``: the positions its cache holds,
+        plus those a rollback journal went back over and leaves to the next pass to re-run (a
+        hybrid's rejected draft: the state before the verify pass restored, the accepted tokens
+        not run again yet; their hidden states were recorded by the verify pass)."""
         leaf = self._leaf() if self._leaf is not None else None
         if leaf is None or self._leaf_since < since:
             return None
-        return leaf.offset
+        journal = self._journal() if self._journal is not None else None
+        pending = journal.position - journal.pos if journal is not None else 0
+        return leaf.offset + pending
 
     def span(self, first, last, kind):
         """Hidden states at positions ``first..last-1`` and the token ids at ``first+1..last-1``
@@ -168,6 +177,16 @@ class HiddenCapture:
         if h.shape[1] != last - first:
             return None
         return h, x[:, 1:]
+
+
+def _journal_of(cache):
+    """The rollback journal keeping ``cache`` (a hybrid's, during speculative decoding), if any."""
+    from mlx_lm_patches.mechanisms.journal import journal_of
+
+    try:
+        return journal_of(cache)
+    except TypeError:  # not a list of caches
+        return None
 
 
 CAPTURE = "_mlx_lm_patches_capture"
@@ -331,11 +350,10 @@ class MTPDraftCache:
 
 
 class MTPDraft:
-    """A draft model for mlx-lm's speculative loop, backed by ``model``'s MTP head."""
-
-    # It reads the main model's hidden state at the last committed position: a rollback of the
-    # main model must re-run accepted tokens before the draft is asked (journal.py, fuse=False).
-    reads_main_model = True
+    """A draft model for mlx-lm's speculative loop, backed by ``model``'s MTP head. It reads the
+    main model's hidden state at the last committed position from what the verify pass
+    recorded, so a hybrid main model's rollback leaves the re-run of accepted tokens to the next
+    verify pass (journal.py, ``fuse``): a rejected draft costs no model call of its own."""
 
     def __init__(self, model, hidden=None, fusion=None):
         hidden = hidden or getattr(family_of(model), "HIDDEN", "post")  # the family's, by default
