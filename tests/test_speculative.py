@@ -228,15 +228,16 @@ def test_a_prompt_cache_of_the_wrong_length_is_a_clear_error():
 
 
 class _Counting:
-    """A model that counts its forward passes."""
+    """A model that counts its forward passes (and records how many tokens each one runs)."""
 
     def __init__(self, model, reads_main_model=False):
-        self.model, self.calls = model, 0
+        self.model, self.calls, self.lengths = model, 0, []
         if reads_main_model:
             self.reads_main_model = True
 
     def __call__(self, *args, **kwargs):
         self.calls += 1
+        self.lengths.append(args[0].shape[-1])
         return self.model(*args, **kwargs)
 
     def __getattr__(self, name):
@@ -257,6 +258,23 @@ def test_a_rejected_draft_costs_no_extra_model_call():
         assert reference.compare(got) is None, reference.compare(got)
         counts[separate] = main.calls
     assert counts[False] < counts[True], counts
+
+
+def test_rejected_rounds_in_a_row_do_not_lengthen_the_verify_passes():
+    """Every round rejects its drafts (a random draft): the accepted tokens re-run in front of
+    the next verify pass leave no kept state between them and that pass's own tokens, so the
+    next rollback re-runs them again. The re-run is bounded (run at once past the journal
+    window): no main pass after the prefill runs more than twice the window, however many rounds
+    reject in a row (unbounded, each such round made the next pass one token longer)."""
+    model = build_tiny_model("qwen3_next", seed=1)
+    prompt = prompt_tokens(13, seed=3)
+    reference = greedy(model, prompt, max_tokens=30)
+    main = _Counting(model)
+    got = speculative_greedy(main, build_tiny_model("qwen3_next", seed=7), prompt, max_tokens=30, num_draft_tokens=2)
+    assert reference.compare(got) is None, reference.compare(got)
+    window = 2 + 1
+    rounds = main.lengths[main.lengths.index(window):]  # from the first verify pass (after the prefill)
+    assert max(rounds) <= 2 * window, main.lengths
 
 
 # Models whose attention slides over a window narrower than the prompt here: their rotating caches

@@ -24,8 +24,12 @@ A :class:`Journal` makes one model's cache list go back exactly:
   ``fuse=True`` (the speculative loop) the re-run is fused into the next forward pass (the
   tokens are put in front of its inputs and their outputs cut off), so a rejected draft costs no
   extra model call; :meth:`Journal.flush` runs it on its own when the caches are looked at
-  before that (the journal is detached, ``speculative-cache-sync`` measures them). A draft model decodes one token per pass, so
-  its trims land exactly on a kept state and replay nothing.
+  before that (the journal is detached, ``speculative-cache-sync`` measures them). A fused
+  re-run leaves no kept state between its tokens and the pass's own, so a rollback in the next
+  round re-runs them again: a re-run longer than ``window`` tokens is run at once instead (without
+  that bound, every round that rejects a draft made the next verify pass one token longer). A
+  draft model decodes one token per pass, so its trims land exactly on a kept state and replay
+  nothing.
 * The whole cache list moves as a unit, or not at all: if any layer cannot reach the target
   (no kept state that old, a plain cache that cannot drop that many keys, a forward that
   bypassed the journal), nothing is touched and the trim reports 0 - or, for callers that ignore
@@ -306,7 +310,10 @@ class Journal:
         self._after = [_slots(c) for c in self.recurrent]
         if replay.shape[1]:
             self._pending = replay
-            if not self.fuse:
+            # A fused re-run leaves no kept state between the re-run tokens and the pass's own:
+            # the next rollback goes back before them and re-runs them again. Bounded here, so
+            # rounds that keep rejecting do not make every verify pass longer.
+            if not self.fuse or replay.shape[1] > self.window:
                 self.flush()
         return n
 
