@@ -11,9 +11,9 @@ through mlx-lm's own loop vs greedy ``generate_step`` as a ratio, whether the to
 identical, and ``(1+a)/(2-a)``, the ratio for one draft token per round if a round cost two
 greedy steps. Then the cost split of one round: a draft step, the verify pass, and the rollback
 after a rejection: attention-only models (the DeepSeek-V3 layout, ...) trim their caches, no
-model call; hybrids restore the recurrent state kept before the verify pass and re-run the
-accepted tokens since (at once for an MTP draft, which reads the main model's hidden state of
-the last accepted token; fused into the next pass otherwise): both are shown.
+model call; hybrids restore the recurrent state kept before the verify pass, and the next
+verify pass re-runs the accepted tokens since in front of its own (also shown: the restore with
+that re-run as a pass of its own).
 Every model type given is run, one after another, in the same process.
 
 Tiny models on whatever device mlx uses (CPU on Linux): only the ratios mean anything.
@@ -115,9 +115,9 @@ def cost_split(model, args):
 
     def rollback(k, rerun):
         """Undo ``k`` rejected tokens of a verify pass: the restore alone (``rerun=False``: the
-        accepted tokens since the kept state are left to the next pass, as with an ordinary
-        draft model), or with that re-run done at once (``rerun=True``: as the loop does for an
-        MTP draft, which reads the main model's hidden state of the last accepted token)."""
+        accepted tokens since the kept state are left to the next verify pass, which runs them in
+        front of its own - what the speculative loop does), or with that re-run done at once
+        (``rerun=True``: a pass of its own, for comparison)."""
         cache, journal = prepared()
         journal.fuse = not rerun
         journal.forward(mx.array([[5] * (k + 1)]), cache)
@@ -153,9 +153,9 @@ def cost_split(model, args):
             print(f"  rollback of {k} rejected token{'s' if k > 1 else ' '} {restore:>5.2f}  (caches trimmed: no model call)")
             continue
         rerun = best(rollback, k, True) / step
-        print(f"  rollback of {k} rejected token{'s' if k > 1 else ' '} {restore:>5.2f}  (state restore; then {replayed} "
-              f"accepted token{'' if replayed == 1 else 's'} re-run: {rerun:.2f} in all when done at once, as for an "
-              "MTP draft)")
+        print(f"  rollback of {k} rejected token{'s' if k > 1 else ' '} {restore:>5.2f}  (state restore; the next verify "
+              f"pass re-runs {replayed} accepted token{'' if replayed == 1 else 's'} in front of its own; {rerun:.2f} "
+              "with that re-run as a pass of its own)")
 
 
 def main():
