@@ -6,8 +6,8 @@
    k-th draft call perturbed so that a controlled share of drafts is rejected), for the hybrid
    model and for the dense control, and the ratio hybrid speedup / dense speedup at equal
    acceptance: what the rollback costs on top of what speculation costs a dense model - with
-   the accepted tokens re-run in front of the next verify pass (the default) and in a pass of
-   their own (what an MTP draft, which reads the main model between the two, needs).
+   the accepted tokens re-run in front of the next verify pass (the default, MTP drafts
+   included) and in a pass of their own (what a draft declaring ``reads_main_model`` gets).
 2. A rejected round's rollback (restore the kept state, trim the attention caches, replay the
    accepted tokens) vs re-running the whole sequence from scratch, the only exact alternative.
 3. Bytes kept per recurrent layer for one snapshot.
@@ -23,8 +23,9 @@ import time
 class PerturbedDraft:
     """The model as its own draft, except that every ``every``-th call its last-position
     logits prefer another token: that draft token is rejected. ``separate_replay``: declare
-    that the draft reads the main model (as an MTP draft does), which makes the main model's
-    rollback re-run accepted tokens in a pass of their own instead of fused into the next."""
+    that the draft reads the main model's caches between passes (``reads_main_model``), which
+    makes the main model's rollback re-run accepted tokens in a pass of their own instead of
+    fused into the next."""
 
     def __init__(self, model, every, separate_replay=False):
         self.model, self.every, self.calls = model, every, 0
