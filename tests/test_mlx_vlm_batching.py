@@ -180,20 +180,20 @@ def test_rows_prefilled_in_chunks_equal_each_prompt_alone(model_type):
     """``prefill_step_size=3``: the 5- and 9-token rows are still in their padding after the first
     chunks (Qwen3.5 clamps those negative offsets at 0 when it builds positions: the patch keeps
     them; on mlx-vlm 0.6.0 - 0.6.4 its row-by-row prefill would crash on those chunks:
-    ``mlx-vlm-qwen3-5-padding-chunks-widened``)."""
+    ``mlx-vlm-qwen3-5-padding-only-rows-skipped``)."""
     _prefill_patched_module(model_type)
     run = lambda model, rows: vlm.vlm_rows_batched(model, rows, prefill_step_size=3)  # noqa: E731
     assert vlm.batched_problem(vlm.build(model_type), model_type, run) is None
 
 
-WIDENED = "mlx-vlm-qwen3-5-padding-chunks-widened"
+WIDENED = "mlx-vlm-qwen3-5-padding-only-rows-skipped"
 
 
 @pytest.mark.parametrize("model_type,reverted", [pytest.param(m, [WIDENED], id=m, marks=xfail_if_affected(WIDENED))
                                                  for m in ("qwen3_5", "qwen3_5_moe")], indirect=["reverted"])
 def test_stock_padding_only_chunks_crash_where_affected(model_type, reverted):
-    """The chunk widening reverted: mlx-vlm 0.6.0 - 0.6.4's Qwen3.5 raises on a chunk that is
-    only padding for a row (strict xfail there)."""
+    """The skip reverted: mlx-vlm 0.6.0 - 0.6.4's Qwen3.5 raises on a chunk that is only
+    padding for a row (strict xfail there)."""
     _prefill_patched_module(model_type)
     run = lambda model, rows: vlm.vlm_rows_batched(model, rows, prefill_step_size=3)  # noqa: E731
     assert vlm.batched_problem(vlm.build(model_type), model_type, run) is None
@@ -249,10 +249,10 @@ def test_prefix_cache_snapshots_inside_padding_do_not_crash_a_batch(prefill_step
 
 
 @pytest.mark.parametrize("lengths", [(2, 13), (1, 13), (13, 5, 1)], ids=["two-tokens", "one-token", "three-rows"])
-def test_chunks_widened_for_rows_of_one_or_two_tokens(lengths):
+def test_rows_of_one_or_two_tokens_beside_a_long_one_in_chunks(lengths):
     """Rows whose real tokens start in the last columns (a one-token prompt: only the column the
     generator holds back for its final pass) beside a long one, in chunks of 3: each equals the
-    prompt alone (0.6.0 - 0.6.4: the chunk widened, or chunking turned off for the batch)."""
+    prompt alone (0.6.0 - 0.6.4: padding-only rows skipped chunk after chunk)."""
     from mlx_lm_patches.demos.scenarios import prompt_tokens
 
     _skip_unless_driven("qwen3_5")
