@@ -248,6 +248,43 @@ def test_prefix_cache_snapshots_inside_padding_do_not_crash_a_batch(prefill_step
         assert tokens == vlm.single(model, row, 4).tokens, len(row)
 
 
+@pytest.mark.parametrize("model_type", ["qwen3_5", "qwen3_5_moe"])
+def test_an_engine_prefilling_padded_chunks_itself_equals_each_row_alone(model_type):
+    """An engine calling the language model itself: a 2-token and a 9-token prompt left-padded
+    into one batch on mlx-vlm's batch caches, prefilled in chunks of 3 (the first two only
+    padding for the short row), then one decode step: each row's logits equal the row alone
+    (0.6.0 - 0.6.4 stock: ValueError in the first chunk)."""
+    import importlib
+
+    import mlx.core as mx
+
+    from mlx_lm_patches.demos.scenarios import prompt_tokens
+
+    _skip_unless_driven(model_type)
+    _prefill_patched_module(model_type)
+    caches = importlib.import_module("mlx_vlm.models.cache")
+    lm = vlm.build(model_type).language_model
+    rows, last = [prompt_tokens(2, seed=2), prompt_tokens(9, seed=9)], [7, 4]
+    want = []
+    for row, token in zip(rows, last):
+        lm._position_ids = lm._rope_deltas = None
+        alone = lm.make_cache()
+        lm(mx.array([row]), cache=alone)
+        want.append(lm(mx.array([[token]]), cache=alone).logits)
+    padding = [7, 0]
+    batch = [caches.ArraysCache(len(c.cache), left_padding=padding) if isinstance(c, caches.ArraysCache)
+             else caches.BatchKVCache(padding) for c in lm.make_cache()]
+    lm._position_ids = lm._rope_deltas = None
+    ids = mx.array([[0] * 7 + rows[0], rows[1]])
+    for start in range(0, 9, 3):
+        lm(ids[:, start:start + 3], cache=batch)
+    for c in batch:
+        if isinstance(c, caches.ArraysCache) and hasattr(c, "finalize"):
+            c.finalize()
+    got = lm(mx.array([[t] for t in last]), cache=batch).logits
+    assert mx.abs(got - mx.concatenate(want)).max().item() < 1e-4
+
+
 @pytest.mark.parametrize("lengths", [(2, 13), (1, 13), (13, 5, 1)], ids=["two-tokens", "one-token", "three-rows"])
 def test_rows_of_one_or_two_tokens_beside_a_long_one_in_chunks(lengths):
     """Rows whose real tokens start in the last columns (a one-token prompt: only the column the
