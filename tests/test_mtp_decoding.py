@@ -14,6 +14,7 @@ import mlx_lm_patches
 from mlx_lm_patches.demos.scenarios import LOGPROB_TOLERANCE, Decoded, prompt_tokens, speculative_greedy
 from mlx_lm_patches.demos.mtp_checkpoints import MTP_MODEL_TYPES, write_mtp_checkpoint
 from mlx_lm_patches.mechanisms.mtp.families import family_of
+from support.counting import CountingModel
 from support.references import greedy_of
 
 mlx_lm_patches.apply()
@@ -114,20 +115,6 @@ def test_draft_proposals_are_the_heads_predictions_at_the_committed_position(loa
         assert worst < LOGPROB_TOLERANCE, (committed, worst)
 
 
-class _Counting:
-    """The main model, counting its forward passes."""
-
-    def __init__(self, model):
-        self.model, self.calls = model, 0
-
-    def __call__(self, *args, **kwargs):
-        self.calls += 1
-        return self.model(*args, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self.model, name)
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.family_sweep(MTP_MODEL_TYPES)
 def test_a_rejected_mtp_draft_costs_a_hybrid_no_model_call_of_its_own(loaded, family):
@@ -150,7 +137,7 @@ def test_a_rejected_mtp_draft_costs_a_hybrid_no_model_call_of_its_own(loaded, fa
     reference = greedy_of(model, prompt, max_tokens=10)
     calls, seen = {}, {}
     for at_once in (False, True):
-        main, proposals = _Counting(model), []
+        main, proposals = CountingModel(model), []
         draft = recording_draft(model, proposals)
         if at_once:
             draft.reads_main_model = True  # what made the loop re-run accepted tokens at once

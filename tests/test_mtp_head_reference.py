@@ -150,6 +150,17 @@ def _one_step_model(model, config, head, fused):
     return reference
 
 
+def _head_inputs(model):
+    """The main model's post-norm hidden states over a 14-token sequence (all but the last
+    position) and the tokens that follow each: what the head is run on."""
+    import mlx.core as mx
+
+    sequence = prompt_tokens(14, seed=11)
+    model.make_draft_model()  # installs the hidden-state capture
+    model(mx.array(sequence)[None])
+    return model.hidden_states()["post"][:, :-1], mx.array(sequence[1:])[None]
+
+
 def _ernie_block(config, block):
     """mlx-lm's own ERNIE decoder layer at index ``num_hidden_layers`` (dense) with ``block``'s
     weights."""
@@ -174,11 +185,7 @@ def test_mtp_forward_is_the_documented_head(tmp_path, family):
     written = write_mtp_checkpoint(tmp_path, family, dtype="float32")
     model = load(str(written.folder))[0]
     config = json.loads((written.folder / "config.json").read_text())
-    sequence = prompt_tokens(14, seed=11)
-    model.make_draft_model()  # installs the hidden-state capture
-    model(mx.array(sequence)[None])
-    hidden = model.hidden_states()["post"][:, :-1]
-    next_ids = mx.array(sequence[1:])[None]
+    hidden, next_ids = _head_inputs(model)
     logits, _ = model.mtp_forward(hidden, next_ids, model.make_mtp_cache())
 
     # The documented names, read directly (not through mtp_families).
@@ -247,11 +254,7 @@ def test_mtp_forward_in_pieces_equals_one_pass(tmp_path, family):
 
     written = write_mtp_checkpoint(tmp_path, family, dtype="float32")
     model = load(str(written.folder))[0]
-    sequence = prompt_tokens(14, seed=11)
-    model.make_draft_model()
-    model(mx.array(sequence)[None])
-    hidden = model.hidden_states()["post"][:, :-1]
-    next_ids = mx.array(sequence[1:])[None]
+    hidden, next_ids = _head_inputs(model)
     whole, _ = model.mtp_forward(hidden, next_ids, model.make_mtp_cache())
     cache = model.make_mtp_cache()
     pieces = [model.mtp_forward(hidden[:, a:b], next_ids[:, a:b], cache)[0] for a, b in ((0, 5), (5, 6), (6, 7), (7, 10))]
@@ -281,11 +284,7 @@ def test_a_sliding_window_mtp_layer_attends_to_its_window(tmp_path):
     config_path.write_text(json.dumps(config))
     model = load(str(written.folder))[0]
     assert model.mtp is not None, model.mtp_status
-    sequence = prompt_tokens(14, seed=11)
-    model.make_draft_model()
-    model(mx.array(sequence)[None])
-    hidden = model.hidden_states()["post"][:, :-1]
-    next_ids = mx.array(sequence[1:])[None]
+    hidden, next_ids = _head_inputs(model)
     at_once, _ = model.mtp_forward(hidden, next_ids, model.make_mtp_cache())
     cache = model.make_mtp_cache()
     one_by_one = mx.concatenate([model.mtp_forward(hidden[:, t:t + 1], next_ids[:, t:t + 1], cache)[0]

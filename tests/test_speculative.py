@@ -11,6 +11,7 @@ import pytest
 import mlx_lm_patches
 from mlx_lm_patches.demos.scenarios import greedy, prompt_tokens, speculative_greedy
 from mlx_lm_patches.demos.tiny_models import DENSE_MODEL_TYPE, available_model_types, build_tiny_model
+from support.counting import CountingModel
 from support.references import tiny_greedy
 
 mlx_lm_patches.apply()
@@ -227,23 +228,6 @@ def test_a_prompt_cache_of_the_wrong_length_is_a_clear_error():
         speculative_greedy(model, draft, prompt_tokens(5), max_tokens=3, prompt_cache=make_prompt_cache(model))
 
 
-class _Counting:
-    """A model that counts its forward passes (and records how many tokens each one runs)."""
-
-    def __init__(self, model, reads_main_model=False):
-        self.model, self.calls, self.lengths = model, 0, []
-        if reads_main_model:
-            self.reads_main_model = True
-
-    def __call__(self, *args, **kwargs):
-        self.calls += 1
-        self.lengths.append(args[0].shape[-1])
-        return self.model(*args, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self.model, name)
-
-
 def test_a_rejected_draft_costs_no_extra_model_call():
     """After a rejection the accepted tokens are re-run in front of the next verify pass, not in
     a pass of their own - unless the draft reads the main model in between (an MTP draft)."""
@@ -252,8 +236,8 @@ def test_a_rejected_draft_costs_no_extra_model_call():
     reference = greedy(model, prompt, max_tokens=MAX_TOKENS)
     counts = {}
     for separate in (False, True):
-        main = _Counting(model)
-        draft = _Counting(build_tiny_model("qwen3_next", seed=7), reads_main_model=separate)
+        main = CountingModel(model)
+        draft = CountingModel(build_tiny_model("qwen3_next", seed=7), reads_main_model=separate)
         got = speculative_greedy(main, draft, prompt, max_tokens=MAX_TOKENS, num_draft_tokens=3)
         assert reference.compare(got) is None, reference.compare(got)
         counts[separate] = main.calls
@@ -269,7 +253,7 @@ def test_rejected_rounds_in_a_row_do_not_lengthen_the_verify_passes():
     model = build_tiny_model("qwen3_next", seed=1)
     prompt = prompt_tokens(13, seed=3)
     reference = greedy(model, prompt, max_tokens=30)
-    main = _Counting(model)
+    main = CountingModel(model)
     got = speculative_greedy(main, build_tiny_model("qwen3_next", seed=7), prompt, max_tokens=30, num_draft_tokens=2)
     assert reference.compare(got) is None, reference.compare(got)
     window = 2 + 1
