@@ -396,6 +396,8 @@ def test_mtp_head_is_sharded_with_the_model_and_computes_the_same(tmp_path):
     script.write_text(HEAD_SCRIPT)
     done = run_ranks(script, tmp_path, *folders, ranks=RANKS, env=clean_env(), timeout=READY_TIMEOUT)
     assert done.returncode == 0, done.stdout[-3000:]
+    written = sorted(p.name for p in tmp_path.glob("rank*.json"))
+    assert len(written) == RANKS * len(families), (written, done.stdout[-3000:])
     for i, (family, folder) in enumerate(zip(families, folders)):
         model = load(folder)[0]
         whole = sum(v.size for _, v in tree_flatten(model.mtp.parameters()))

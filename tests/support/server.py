@@ -33,6 +33,7 @@ import http.client
 import json
 import os
 import pathlib
+import random
 import re
 import signal
 import socket
@@ -70,6 +71,26 @@ def free_port(host: str = HOST) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def free_ports(count: int, host: str = HOST) -> int:
+    """The first of ``count`` consecutive TCP ports that can all be bound right now, below the
+    kernel's ephemeral range. ``mlx.launch --backend ring`` listens on ``--starting-port`` and the
+    ports after it; a port the OS picked (``free_port``) is in the ephemeral range, so the ones
+    after it can be taken at any moment by another process's outgoing connections (in CI: the
+    other matrix row's HTTP clients), and a rank then fails with "Couldn't bind socket"."""
+    rng = random.Random()
+    for _ in range(200):
+        first = rng.randrange(20000, 32000 - count)
+        with contextlib.ExitStack() as held:
+            try:
+                for port in range(first, first + count):
+                    sock = held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+                    sock.bind((host, port))
+            except OSError:
+                continue
+        return first
+    raise RuntimeError(f"no {count} consecutive free ports found on {host}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -242,7 +263,8 @@ def run_ranks(script, *args: str, ranks: int = 2, env: Optional[Mapping[str, str
               python: Optional[str] = None, timeout: float = 180.0) -> subprocess.CompletedProcess:
     """Run ``python SCRIPT *args`` on ``ranks`` local ranks (``mlx.launch -n RANKS --backend
     ring``) to the end; their output (stdout and stderr, merged) in ``.stdout``. The whole process
-    group is killed after ``timeout`` seconds (``returncode`` None then)."""
+    group is killed after ``timeout`` seconds (``returncode`` None then). ``mlx.launch`` exits 0
+    when a rank failed (it only warns); ``returncode`` is 1 then."""
     python = python or sys.executable
     env = dict(os.environ if env is None else env)
     env.setdefault("HF_HUB_OFFLINE", "1")
@@ -258,7 +280,10 @@ def run_ranks(script, *args: str, ranks: int = 2, env: Optional[Mapping[str, str
             os.killpg(process.pid, signal.SIGKILL)
         process.wait()
         out.seek(0)
-        return subprocess.CompletedProcess(process.args, code, out.read().decode(errors="replace"))
+        output = out.read().decode(errors="replace")
+        if code == 0 and re.search(r"Node with rank \d+ (exited with code|was killed)", output):
+            code = 1
+        return subprocess.CompletedProcess(process.args, code, output)
 
 
 def _launch_argv(python: str, ranks: int, script: str, *args: str) -> list:
@@ -266,7 +291,7 @@ def _launch_argv(python: str, ranks: int, script: str, *args: str) -> list:
     ``rank_main.py`` (a kernel cache of its own)."""
     chosen = ["--python", python] if "--python" in _launcher_flags(launcher(python)) else []  # mlx >= 0.30
     return [launcher(python), "-n", str(ranks), "--backend", "ring", *chosen,
-            "--starting-port", str(free_port()), "--", str(RANK_MAIN), script, *args]
+            "--starting-port", str(free_ports(ranks)), "--", str(RANK_MAIN), script, *args]
 
 
 @functools.lru_cache(maxsize=None)
