@@ -334,8 +334,8 @@ def test_stock_draft_model_mtp_on_two_ranks_answers(pid, tmp_path_factory, refer
 
 # Families whose head is kept and whose Model.shard the head's layers go through (where the
 # installed release has the family and its shard).
-SHARDED_HEADS = ("qwen3_5", "qwen3_5_moe", "deepseek_v3", "deepseek_v32", "glm4_moe", "glm4_moe_lite", "exaone_moe",
-                 "step3p5", "longcat_flash", "longcat_flash_ngram")
+SHARDED_HEADS = ("qwen3_5", "qwen3_5_moe", "deepseek_v3", "deepseek_v32", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa",
+                 "exaone_moe", "step3p5", "longcat_flash", "longcat_flash_ngram")
 
 HEAD_SCRIPT = textwrap.dedent('''\
     """Each rank: sharded_load each folder (tensor parallel), then one MTP pass of its head on a

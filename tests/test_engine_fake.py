@@ -43,6 +43,17 @@ LIB = {
             def get(self):
                 return "original"
 
+        class Base:
+            def get(self):
+                return "base"
+
+        class Inheriting(Base):
+            pass
+
+        class Overriding(Base):
+            def get(self):
+                return "own"
+
         def _elsewhere():
             return "original"
 
@@ -165,6 +176,10 @@ PATCHES = {
             p.wrap_if_present("{lib}.extra:Box.get", lambda wrapped, instance, args, kwargs: "patched")
             p.wrap_if_present("{lib}.extra:Gone.get", lambda wrapped, instance, args, kwargs: "patched")
             p.wrap_if_present("{lib}.extra:forwarded", lambda wrapped, instance, args, kwargs: "patched")
+            around = lambda wrapped, instance, args, kwargs: "wrapped " + wrapped(*args, **kwargs)
+            p.wrap_if_present("{lib}.extra:Base.get", around)
+            p.wrap_if_present("{lib}.extra:Inheriting.get", around, own=True)
+            p.wrap_if_present("{lib}.extra:Overriding.get", around, own=True)
     """,
 }
 
@@ -185,7 +200,7 @@ patches:
   - {{id: gone-target, summary: s, affected: ">=1.0", fixed_in: null, upstream: [], targets: ["{lib}.core:Removed.__call__"], probe: p}}
   - {{id: alternative-targets, summary: s, affected: ">=1.0", fixed_in: null, upstream: [], targets: ["{lib}.core:Later.method?", "{lib}.core:Cache.trim?"], probe: p}}
   - {{id: not-needed-reason, summary: s, affected: ">=1.0", fixed_in: null, upstream: [], targets: ["{lib}.core:Cache"], probe: p}}
-  - {{id: deferred, summary: s, affected: ">=1.0", fixed_in: null, upstream: [], targets: ["{lib}.core:Cache", "{lib}.extra:thing", "{lib}.extra:Box.get?", "{lib}.extra:Gone.get?", "{lib}.extra:forwarded?"], probe: p}}
+  - {{id: deferred, summary: s, affected: ">=1.0", fixed_in: null, upstream: [], targets: ["{lib}.core:Cache", "{lib}.extra:thing", "{lib}.extra:Box.get?", "{lib}.extra:Gone.get?", "{lib}.extra:forwarded?", "{lib}.extra:Base.get?", "{lib}.extra:Inheriting.get?", "{lib}.extra:Overriding.get?"], probe: p}}
 """
 
 OK_IDS = ["trim-fix", "greet-fix", "added-attr"]
@@ -344,11 +359,16 @@ def test_deferred_targets_apply_when_their_module_is_imported(fake):
     assert extra.Box().get() == "patched"  # an optional target that is there is wrapped
     assert not hasattr(extra, "Gone")  # one that is not is left alone, without an error
     assert extra.forwarded() == "original" and "forwarded" not in vars(extra)  # forwarded: not there
+    # own=True: an inherited method goes through its base's wrapper once; an override is wrapped
+    assert (extra.Base().get(), extra.Inheriting().get(), extra.Overriding().get()) == (
+        "wrapped base", "wrapped base", "wrapped own")
+    assert "get" not in vars(extra.Inheriting)
     assert fake.state("deferred") is State.APPLIED
     assert "waiting" not in fake.engine.row("deferred").detail
     fake.engine.revert(["deferred"])
     assert extra.thing() == "original"
     assert extra.Box().get() == "original"
+    assert (extra.Base().get(), extra.Inheriting().get(), extra.Overriding().get()) == ("base", "base", "own")
 
 
 def test_revert_while_pending_cancels(fake):

@@ -35,7 +35,7 @@ CASES = ([(f, how) for f in FAMILIES for how in ("fp", "q4", "mixed_3_6")]
          + [("qwen3_next", how) for how in ("q8g32", "mxfp4")]
          # DeepSeek-V3 layout (the head is the layer after the last) and MiMo: one case per family
          + [(f, how) for f, how in (("deepseek_v3", "q4"), ("deepseek_v32", "q4"), ("glm4_moe", "q4"),
-                                    ("glm4_moe_lite", "fp"), ("mimo", "q4"), ("ernie4_5_moe", "q4"),
+                                    ("glm4_moe_lite", "fp"), ("glm_moe_dsa", "q4"), ("mimo", "q4"), ("ernie4_5_moe", "q4"),
                                     ("exaone_moe", "q4"), ("mimo_v2_flash", "q4"),
                                     ("step3p5", "q4"), ("bailing_moe_v3", "q4"), ("longcat_flash", "q4"),
                                     ("longcat_flash_ngram", "q4"))
@@ -207,6 +207,7 @@ SAME_KIND = {
                  ("model.layers.{i}.self_attn.o_proj", "layers.0.self_attn.o_proj"),
                  ("model.layers.{i}.mlp.switch_mlp.gate_proj", "layers.0.mlp.switch_mlp.gate_proj")],
 }
+SAME_KIND["glm_moe_dsa"] = SAME_KIND["deepseek_v32"]  # GLM-5: DeepSeek-V3.2's model
 
 
 def _bits_and_group(tensors, path, in_dims):

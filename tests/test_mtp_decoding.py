@@ -19,9 +19,7 @@ from support.references import greedy_of
 
 mlx_lm_patches.apply()
 
-FAMILIES = [f for f in ("qwen3_next", "qwen3_5", "qwen3_5_moe", "nemotron_h", "deepseek_v3", "deepseek_v32", "glm4_moe",
-                        "glm4_moe_lite", "mimo", "ernie4_5_moe", "exaone_moe", "mimo_v2_flash",
-                        "step3p5", "bailing_moe_v3", "longcat_flash", "longcat_flash_ngram")
+FAMILIES = [f for f in MTP_MODEL_TYPES
             if importlib.util.find_spec(f"mlx_lm.models.{f}") is not None]
 
 

@@ -119,7 +119,7 @@ def test_other_families_say_their_head_is_not_kept(tmp_path):
     assert model.mtp is None
     assert model.mtp_status == ("MTP heads of llama are not kept yet: the layout of its MTP layers has not been "
                                 "read yet (kept: bailing_moe_v3, deepseek_v3, deepseek_v32, ernie4_5_moe, exaone_moe, glm4_moe, "
-                                "glm4_moe_lite, longcat_flash, longcat_flash_ngram, mimo, mimo_v2_flash, nemotron_h, qwen3_5, qwen3_5_moe, "
+                                "glm4_moe_lite, glm_moe_dsa, longcat_flash, longcat_flash_ngram, mimo, mimo_v2_flash, nemotron_h, qwen3_5, qwen3_5_moe, "
                                 "qwen3_next, step3p5)")
 
 

@@ -191,11 +191,11 @@ def _step_to_hf(params):
             value = value - 1.0
         out[key[1:]] = value
     return out
-DEEPSEEK_LAYOUT = ("deepseek_v3", "deepseek_v32", "glm4_moe", "glm4_moe_lite")  # the head is layer num_hidden_layers
+DEEPSEEK_LAYOUT = ("deepseek_v3", "deepseek_v32", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa")  # the head is layer num_hidden_layers
 # Every family whose tiny checkpoints get an MTP head here (the order: representatives of a cache
 # layout first, see tests/support/sweeps.py)
 MTP_MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "nemotron_h", "deepseek_v3", "deepseek_v32",
-                   "glm4_moe", "glm4_moe_lite", "mimo", "ernie4_5_moe", "exaone_moe", "mimo_v2_flash",
+                   "glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "mimo", "ernie4_5_moe", "exaone_moe", "mimo_v2_flash",
                    "step3p5", "bailing_moe_v3", "longcat_flash", "longcat_flash_ngram")
 
 

@@ -796,6 +796,17 @@ def _cfg_deepseek_v32() -> Dict[str, Any]:
                 index_n_heads=2, index_head_dim=16, index_topk=2048)
 
 
+def _cfg_glm_moe_dsa() -> Dict[str, Any]:
+    # GLM-5 (glm_moe_dsa): DeepSeek-V3.2's model (latent attention with its indexer) under GLM's
+    # config names (RoPE settings in rope_parameters)
+    config = dict(_DEEPSEEK_MOE, **_MLA, model_type="glm_moe_dsa", rms_norm_eps=1e-5,
+                  index_n_heads=2, index_head_dim=16, index_topk=2048,
+                  rope_parameters={"rope_theta": 10000.0, "rope_type": "default"})
+    for key in ("rope_theta", "rope_scaling"):
+        config.pop(key)
+    return config
+
+
 def _cfg_glm4_moe_lite() -> Dict[str, Any]:
     return dict(_DEEPSEEK_MOE, **_MLA, model_type="glm4_moe_lite", rms_norm_eps=1e-5,
                 partial_rotary_factor=1.0)
@@ -905,6 +916,7 @@ _CONFIGS: Dict[str, Callable[[], Dict[str, Any]]] = {
     "deepseek_v32": _cfg_deepseek_v32,
     "glm4_moe": _cfg_glm4_moe,
     "glm4_moe_lite": _cfg_glm4_moe_lite,
+    "glm_moe_dsa": _cfg_glm_moe_dsa,
     "mimo": _cfg_mimo,
     "ernie4_5_moe": _cfg_ernie4_5_moe,
     "exaone_moe": _cfg_exaone_moe,

@@ -272,17 +272,23 @@ class Patcher:
     def wrap(self, target: str, wrapper: Callable) -> None:
         self._run_or_defer(target, lambda: self._wrap_now(target, wrapper))
 
-    def wrap_if_present(self, target: str, wrapper: Callable) -> None:
+    def wrap_if_present(self, target: str, wrapper: Callable, own: bool = False) -> None:
         """``wrap`` for a target that some releases do not have (``?`` in the matrix): when its
         module is imported, wrapped if its owner has the attribute, else left alone. Present
         means defined there (a module-level ``__getattr__`` forwarding the name elsewhere, as
-        mlx-vlm 0.6's ``mlx_vlm.generate`` does, does not make it a target there)."""
+        mlx-vlm 0.6's ``mlx_vlm.generate`` does, does not make it a target there). ``own``: a
+        class must define it itself; one it inherits from a class this patch wraps already goes
+        through that wrapper (wrapping it again would run the wrapper twice)."""
         def thunk():
             try:
                 owner, attr = owner_of(target)
             except (KeyError, AttributeError, TypeError):
                 return
-            if inspect.getattr_static(owner, attr, _MISSING) is not _MISSING:
+            if own and isinstance(owner, type):
+                present = attr in vars(owner)
+            else:
+                present = inspect.getattr_static(owner, attr, _MISSING) is not _MISSING
+            if present:
                 self._wrap_now(target, wrapper)
 
         self._run_or_defer(target, thunk)

@@ -1,6 +1,6 @@
 """Checkpoints with multi-token-prediction (MTP) tensors load, with the backbone intact and the
 MTP head kept (Qwen3-Next, Qwen3.5/3.6 dense and MoE, Nemotron-H; DeepSeek-V3, DeepSeek-V3.2,
-GLM-4.5/4.6/4.7 and GLM-4.7-Flash, whose head is the layer after the backbone's last; MiMo's
+GLM-4.5/4.6/4.7, GLM-4.7-Flash and GLM-5, whose head is the layer after the backbone's last; MiMo's
 ``mtp_layers``; ERNIE 4.5 MoE's ``mtp_block``; K-EXAONE's ``mtp.*``; MiMo-V2-Flash's
 ``model.mtp.layers.0``; Ling 3.0's layer past the backbone's; LongCat-Flash's and
 LongCat-Flash-Lite's ``model.mtp``).
@@ -18,7 +18,8 @@ Bug
     * deepseek_v3 (every release): ``sanitize`` drops ``model.layers.61`` - DeepSeek-V3's own
       depth - so a checkpoint of the architecture with another depth that ships its MTP layer
       fails the same way (deepseek_v32 too up to 0.30.6; later releases drop every layer past
-      the backbone's); glm4_moe and glm4_moe_lite drop the layer, mimo its ``mtp_layers``,
+      the backbone's, and glm_moe_dsa - GLM-5, deepseek_v32's model - with it); glm4_moe and
+      glm4_moe_lite drop the layer, mimo its ``mtp_layers``,
       ernie4_5_moe its ``mtp_*`` tensors, exaone_moe its ``mtp.*`` ones,
       mimo_v2_flash, longcat_flash and longcat_flash_ngram their ``model.mtp.*`` ones, step3p5 and bailing_moe_v3
       their layers past the backbone's.
@@ -100,9 +101,13 @@ def _load_model_with_mtp(wrapped, instance, args, kwargs, track=None):
     return model, config
 
 
+# Families whose Model subclasses another kept family's (glm_moe_dsa: deepseek_v32's), so that
+# their sanitize and shard may be inherited (then already wrapped there).
+SUBCLASSED_FAMILIES = ("glm_moe_dsa",)
+
 # Families whose Model.shard (tensor parallelism) the head's layers go through too (where defined).
-SHARDED_FAMILIES = ("qwen3_5", "deepseek_v3", "deepseek_v32", "glm4_moe", "glm4_moe_lite", "exaone_moe", "step3p5",
-                    "longcat_flash", "longcat_flash_ngram")
+SHARDED_FAMILIES = ("qwen3_5", "deepseek_v3", "deepseek_v32", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "exaone_moe",
+                    "step3p5", "longcat_flash", "longcat_flash_ngram")
 
 
 def _shard_with_head(wrapped, instance, args, kwargs):
@@ -134,11 +139,15 @@ def apply(p):
     from mlx_lm_patches.mechanisms.mtp.families import FAMILIES
 
     for family in sorted(FAMILIES):  # every family whose head is kept (its sanitize is a declared target)
-        if importlib.util.find_spec(f"mlx_lm.models.{family}") is not None:
+        if importlib.util.find_spec(f"mlx_lm.models.{family}") is None:
+            continue
+        if family in SUBCLASSED_FAMILIES:  # its own sanitize if it has one, else its base's (wrapped)
+            p.wrap_if_present(f"mlx_lm.models.{family}:Model.sanitize", _sanitize_without_mtp, own=True)
+        else:
             p.wrap(f"mlx_lm.models.{family}:Model.sanitize", _sanitize_without_mtp)
     for family in SHARDED_FAMILIES:  # the head's layers sharded as the backbone's
         if importlib.util.find_spec(f"mlx_lm.models.{family}") is not None:
-            p.wrap_if_present(f"mlx_lm.models.{family}:Model.shard", _shard_with_head)
+            p.wrap_if_present(f"mlx_lm.models.{family}:Model.shard", _shard_with_head, own=True)
     track = p.track  # revert takes the interface (and the draft's class swap) off loaded models
 
     def load_model(wrapped, instance, args, kwargs):

@@ -18,7 +18,7 @@ layers (attention layers with their own KV cache), the head's final norm, the sh
   ``final_layernorm``. Norms are stored as used (no shift); experts per expert
   (``experts.{e}.up_proj`` / ``down_proj``) are stacked into ``switch_mlp.fc1`` / ``fc2`` as
   mlx-lm's own ``sanitize`` does for the backbone. Same layout in vLLM's ``nemotron_h_mtp.py``.
-* DeepSeek-V3 layout (deepseek_v3, deepseek_v32, glm4_moe, glm4_moe_lite): the head is the checkpoint's layer
+* DeepSeek-V3 layout (deepseek_v3, deepseek_v32, glm4_moe, glm4_moe_lite, glm_moe_dsa): the head is the checkpoint's layer
   ``model.layers.{num_hidden_layers}``: ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm``
   and a decoder layer of the family (``self_attn``, ``mlp``, the two layer norms). Its tensors
   are in the family's Hugging Face layout, so they go through the release's own ``sanitize``
@@ -367,12 +367,16 @@ class _ExtraLayerHead(_DecoderLayers):
 
 class DeepSeekV3(_ExtraLayerHead):
     """DeepSeek-V3, DeepSeek-V3.2 (deepseek_v32), GLM-4.5/4.6/4.7 (glm4_moe), GLM-4.7-Flash
-    (glm4_moe_lite): the MTP layer at index ``num_hidden_layers``, built from the family's own
-    decoder layer. DeepSeek-V3.2 follows the DeepSeek-V3.2-Exp report (V3.1-Terminus's
-    architecture, MTP module included, with sparse attention): V3's head around its own decoder
-    layer, whose attention keeps a second cache for its indexer (``layer_cache``)."""
+    (glm4_moe_lite), GLM-5 (glm_moe_dsa): the MTP layer at index ``num_hidden_layers``, built from
+    the family's own decoder layer. DeepSeek-V3.2 follows the DeepSeek-V3.2-Exp report
+    (V3.1-Terminus's architecture, MTP module included, with sparse attention): V3's head around
+    its own decoder layer, whose attention keeps a second cache for its indexer
+    (``layer_cache``). GLM-5 is that model under GLM's config names (mlx-lm's glm_moe_dsa is
+    deepseek_v32's model); its checkpoints ship the layer at index 78 of a 78-layer backbone,
+    its sparse-attention indexer included (zai-org/GLM-5's weight index; vLLM and SGLang load
+    it with their DeepSeek MTP model)."""
 
-    names = ("deepseek_v3", "deepseek_v32", "glm4_moe", "glm4_moe_lite")
+    names = ("deepseek_v3", "deepseek_v32", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa")
     _FUSION = ("enorm.", "hnorm.", "eh_proj.", "shared_head.norm.")
     # the checkpoint's copies of what the head shares with the model (the report: shared)
     SHARED = ("embed_tokens.", "shared_head.head.")
