@@ -113,6 +113,76 @@ def test_draft_proposals_are_the_heads_predictions_at_the_committed_position(loa
         assert worst < LOGPROB_TOLERANCE, (committed, worst)
 
 
+LAYERED = [f for f in ("mimo_v2_flash", "step3p5") if f in FAMILIES]  # heads with an MTP layer per draft step
+
+
+def _layer_reference(model, sequence, committed, drafts):
+    """Logits of MTP layer ``len(drafts)`` at position C-1 (C = ``committed``), computed cold over
+    the whole prefix: layer k at position i takes the token at i+k+1 (the sequence's up to C,
+    then ``drafts``) and the main hidden state at i, or for a chained family layer k-1's output
+    at i before its final norm."""
+    import mlx.core as mx
+
+    from mlx_lm_patches.mechanisms.mtp.decoding import _mtp_pass, make_mtp_cache
+
+    family = family_of(model)
+    model(mx.array(sequence[:committed])[None])
+    main = model.hidden_states()[getattr(family, "HIDDEN", "post")]
+    tokens = sequence[:committed + 1] + drafts
+    hidden = main
+    for depth in range(len(drafts) + 1):
+        ids = mx.array(tokens[depth + 1:committed + depth + 1])[None]
+        logits, _, z = _mtp_pass(model, hidden, ids, make_mtp_cache(model, depth), depth=depth)
+        hidden = z if family.CHAINED else main
+    return logits[0, -1]
+
+
+@pytest.mark.parametrize("hinted", [False, True], ids=["own-proposals", "with-accepted-rounds"])
+@pytest.mark.parametrize("family", LAYERED)
+def test_each_draft_step_uses_its_own_mtp_layer(loaded, family, hinted):
+    """MiMo-V2-Flash and Step-3.5 ship an MTP layer per draft step: step k of a round is layer k's
+    prediction at C-1 over the sequence extended by the round's drafts (Step-3.5's layers chained,
+    each taking the previous one's output; MiMo-V2's each taking the main hidden state), equal to
+    a cold pass of each layer over the whole prefix - also after rounds that accepted drafts,
+    where each layer catches its cache up over several positions - within the log-probability
+    tolerance; past the last layer, the last one recycles its output. Output: greedy."""
+    import mlx.core as mx
+    from mlx_lm.generate import speculative_generate_step
+
+    from mlx_lm_patches.mechanisms.mtp.decoding import MTPDraft, depths_of
+    from support.mtp_drafts import hinted_draft
+
+    model = loaded[family][0]
+    depths = depths_of(model)
+    assert depths > 1
+    calls = []
+
+    class Recording(MTPDraft):
+        def __call__(self, inputs, cache=None, **kwargs):
+            logits = super().__call__(inputs, cache=cache, **kwargs)
+            state = cache[0]
+            if state.round_of:
+                calls.append((state.round_of, [int(d.item()) for d in state.drafts], logits[0, -1]))
+            return logits
+
+    prompt = prompt_tokens(15, seed=9)
+    reference = greedy_of(model, prompt, max_tokens=12)
+    draft = Recording(model)
+    if hinted:
+        draft = hinted_draft(model, prompt + reference.tokens, draft=draft)
+    steps = list(speculative_generate_step(mx.array(prompt), model, draft, num_draft_tokens=depths + 1,
+                                           max_tokens=12))
+    assert [int(t) for t, _, _ in steps] == reference.tokens
+    assert any(from_draft for _, _, from_draft in steps) == hinted
+    sequence = prompt + reference.tokens
+    checked = [(c, d, row) for c, d, row in calls if len(d) < depths and c + len(d) < len(sequence)]
+    assert {len(d) for _, d, _ in checked} == set(range(depths)), [len(d) for _, d, _ in calls]
+    for committed, drafts, row in checked:
+        expected = _layer_reference(model, sequence, committed, drafts)
+        worst = mx.abs(row - expected).max().item()
+        assert worst < LOGPROB_TOLERANCE, (committed, drafts, worst)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.family_sweep(MTP_MODEL_TYPES)
 def test_a_rejected_mtp_draft_costs_a_hybrid_no_model_call_of_its_own(loaded, family):

@@ -70,13 +70,14 @@ def test_the_head_is_kept_exactly(written, family, form):
         assert model.mtp_status.endswith("from the checkpoint's model.mtp_layers"), model.mtp_status
     elif form == "hf" and family == "ernie4_5_moe":
         assert model.mtp_status.endswith("from the checkpoint's model.mtp_* tensors"), model.mtp_status
-    elif form == "hf" and family == "mimo_v2_flash":  # model.mtp.layers.{0,1,2}: the first is kept
-        assert model.mtp_status.startswith("MTP head kept: 1 layer(s) (the first of the checkpoint's 3; the "
-                                           "others are not used)"), model.mtp_status
-    elif form == "hf" and family == "step3p5":  # model.layers.{3,4}: the first is kept, with its own output head
-        assert model.mtp_status.startswith("MTP head kept: 1 layer(s) (the first of the checkpoint's 2; the "
-                                           "others are not used)"), model.mtp_status
-        assert model.mtp_status.endswith("from the checkpoint's layer model.layers.3"), model.mtp_status
+    elif family == "mimo_v2_flash":  # model.mtp.layers.{0,1,2}: one per draft step
+        assert model.mtp_status.startswith("MTP head kept: 1 layer(s) (3 MTP layers, draft step k with layer k, "
+                                           "each fed the model's hidden state)"), model.mtp_status
+    elif family == "step3p5":  # model.layers.{3,4}: one per draft step, each with its own output head
+        assert model.mtp_status.startswith("MTP head kept: 1 layer(s) (2 MTP layers, draft step k with layer k, "
+                                           "each fed the previous one's output)"), model.mtp_status
+        source = "layer model.layers.3" if form == "hf" else "mtp.* keys"
+        assert model.mtp_status.endswith(f"from the checkpoint's {source}"), model.mtp_status
     elif form == "hf" and family in ("longcat_flash", "longcat_flash_ngram"):  # model.mtp.*, its copy of the embedding not loaded
         assert model.mtp_status.endswith("from the checkpoint's mtp.* keys; embedding and output head shared with "
                                          "the model (the checkpoint's 1 copies of them not loaded)"), model.mtp_status

@@ -170,8 +170,8 @@ def _to_hf(family, params, *, shift_suffixes=QWEN_NORM_SUFFIXES, shift_all_norms
     return out
 
 
-MIMO_V2_LAYERS = 3  # MTP layers in a MiMo-V2-Flash checkpoint (the first is kept)
-STEP_LAYERS = 2  # MTP layers written for Step-3.5 here (its checkpoints ship 3; the first is kept)
+MIMO_V2_LAYERS = 3  # MTP layers in a MiMo-V2-Flash checkpoint
+STEP_LAYERS = 2  # MTP layers written for Step-3.5 here (its checkpoints ship 3)
 _STEP_NAMES = ((".mlp.switch_mlp.gate_proj.", ".moe.gate_proj."), (".mlp.switch_mlp.up_proj.", ".moe.up_proj."),
                (".mlp.switch_mlp.down_proj.", ".moe.down_proj."), (".mlp.gate.gate.", ".moe.gate."),
                (".mlp.gate.router_bias", ".moe.router_bias"), (".mlp.share_expert.", ".share_expert."))
@@ -295,7 +295,9 @@ def write_mtp_checkpoint(root, family, *, form="mlx", quantized=False, placement
     if family == "nemotron_h":
         config = _nemotron_head_config(config)
         model.args = type(model.args).from_dict(config)  # the head's blocks read the MoE settings
-    head = build(model, 1, config)
+    # MiMo-V2-Flash and Step-3.5 heads draft with each of their MTP layers in turn
+    shipped = {"mimo_v2_flash": MIMO_V2_LAYERS, "step3p5": STEP_LAYERS}.get(family, 1)
+    head = build(model, 1, _declare(config, family, shipped))
     head.load_weights(list(_random_like(dict(tree_flatten(head.parameters())), seed=1000).items()))
     if quantized or overrides:
         overrides = dict(overrides or {})
@@ -327,18 +329,17 @@ def write_mtp_checkpoint(root, family, *, form="mlx", quantized=False, placement
     elif form == "hf" and family == "mimo_v2_flash":  # model.mtp.layers.{i}: fusion, layer and final norm in one
         weights = _deepseek_to_hf(backbone)  # (per-expert tensors, as the checkpoints store them)
         mtp = {}
-        for i in range(MIMO_V2_LAYERS):  # the checkpoints ship 3; the first is kept
-            layer = head_params if i == 0 else _random_like(head_params, seed=2000 + i)
-            for k, v in layer.items():
+        for i in range(MIMO_V2_LAYERS):
+            for k, v in _depth_params(head_params, i).items():
                 k = k[len("layers.0."):] if k.startswith("layers.0.") else k
                 mtp[f"model.mtp.layers.{i}.{k.replace('post_attention_layernorm.', 'pre_mlp_layernorm.')}"] = v
     elif form == "hf" and family == "step3p5":  # vanilla names, zero-centred norms; the head as layers 3, 4
         weights = _step_to_hf(backbone)
         depth = config["num_hidden_layers"]
         mtp = {}
-        for i in range(STEP_LAYERS):  # the checkpoints ship 3; the first is kept
-            layer = head_params if i == 0 else _random_like(head_params, seed=3000 + i)
-            flat = {(k[len("layers.0."):] if k.startswith("layers.0.") else k): v for k, v in layer.items()}
+        for i in range(STEP_LAYERS):
+            flat = {(k[len("layers.0."):] if k.startswith("layers.0.") else k): v
+                    for k, v in _depth_params(head_params, i).items()}
             mtp.update({f"model.layers.{depth + i}.{k}": v for k, v in _step_to_hf(flat).items()})
     elif form == "hf" and family in ("longcat_flash", "longcat_flash_ngram"):  # model.mtp.layers.0 (.m fusion norms), model.mtp.norm
         weights = _deepseek_to_hf(backbone)
@@ -375,12 +376,19 @@ def write_mtp_checkpoint(root, family, *, form="mlx", quantized=False, placement
     else:
         weights = dict(weights, **mtp)
     # An empty module plus every tensor as extra_tensors lets any key layout through.
-    # (step3p5: its config's per-layer lists cover STEP_LAYERS MTP layers, whatever the form)
-    shipped = {"mimo_v2_flash": MIMO_V2_LAYERS if form == "hf" else 1, "step3p5": STEP_LAYERS}.get(family, 1)
     write_model_folder(folder, nn.Module(), _declare(config, family, shipped) if declare else config,
                        vocab_size=_vocab(config), dtype=dtype, extra_tensors=weights,
                        extra_files=extra_files)
     return Written(folder, family, backbone, head_params)
+
+
+def _depth_params(head_params, depth):
+    """The parameters of the head's MTP layer ``depth`` (``depths.{depth-1}.*`` for a later one),
+    named as layer 0's are."""
+    if depth == 0:
+        return {k: v for k, v in head_params.items() if not k.startswith("depths.")}
+    prefix = f"depths.{depth - 1}."
+    return {k[len(prefix):]: v for k, v in head_params.items() if k.startswith(prefix)}
 
 
 def _vocab(config):

@@ -2,7 +2,7 @@
 MTP head kept (Qwen3-Next, Qwen3.5/3.6 dense and MoE, Nemotron-H; DeepSeek-V3, DeepSeek-V3.2,
 GLM-4.5/4.6/4.7, GLM-4.7-Flash and GLM-5, whose head is the layer after the backbone's last; MiMo's
 ``mtp_layers``; ERNIE 4.5 MoE's ``mtp_block``; K-EXAONE's ``mtp.*``; MiMo-V2-Flash's
-``model.mtp.layers.0``; Ling 3.0's layer past the backbone's; LongCat-Flash's and
+``model.mtp.layers.*`` and Step-3.5-Flash's layers past the backbone's (every MTP layer, one per draft step); Ling 3.0's layer past the backbone's; LongCat-Flash's and
 LongCat-Flash-Lite's ``model.mtp``).
 
 Bug

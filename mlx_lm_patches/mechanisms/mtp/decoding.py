@@ -179,6 +179,22 @@ class HiddenCapture:
         return h, x[:, 1:]
 
 
+    def tokens(self, first, last):
+        """Token ids at positions ``first..last-1`` (``[1, n]``), or ``None`` if not all are recorded."""
+        import mlx.core as mx
+
+        parts, covered = [], first
+        for f in self.forwards:
+            lo, hi = max(covered, f.start), min(last, f.start + f.tokens.shape[1])
+            if lo != covered or lo >= hi:
+                continue
+            parts.append(f.tokens[:, lo - f.start:hi - f.start])
+            covered = hi
+        if covered != last or not parts:
+            return None
+        return mx.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
+
+
 def _journal_of(cache):
     """The rollback journal keeping ``cache`` (a hybrid's, during speculative decoding), if any."""
     from mlx_lm_patches.mechanisms.journal import journal_of
@@ -258,9 +274,25 @@ def hidden_states(model):
     return install_capture(model).last
 
 
-def make_mtp_cache(model):
+def make_mtp_cache(model, depth=0):
+    """The KV caches of the head's layers at ``depth`` (0: the first MTP layer)."""
     family = family_of(model)
-    return [family.layer_cache(model) for _ in family.attention_layers(_head(model))]
+    return [family.layer_cache(model) for _ in family.attention_layers(_depth_module(model, depth))]
+
+
+def depths_of(model) -> int:
+    """How many MTP layers of the head draft in turn (one per draft step; 1 for most families)."""
+    return 1 + len(getattr(_head(model), "depths", ()))
+
+
+def _depth_module(model, depth):
+    head = _head(model)
+    if depth == 0:
+        return head
+    more = getattr(head, "depths", ())
+    if not 0 < depth <= len(more):
+        raise ValueError(f"depth={depth}: {model_label(model)}'s MTP head has {len(more) + 1} layer(s) to draft with")
+    return more[depth - 1]
 
 
 def positions_cache(layer_cache):
@@ -290,17 +322,26 @@ def _fusion_order(model, fusion):
     return fusion
 
 
-def mtp_forward(model, hidden, next_ids, cache, fusion=None):
+def mtp_forward(model, hidden, next_ids, cache, fusion=None, depth=0):
     """One MTP pass: ``hidden`` [B,T,H] (main hidden at positions t), ``next_ids`` [B,T] (tokens
     at t+1) -> ``(logits [B,T,V], mtp_hidden [B,T,H])``; ``cache`` from ``make_mtp_cache``.
     ``fusion``: the family's order by default, or ``"embedding-first"`` (Qwen3-Next/3.5/3.6,
     Nemotron-H, DeepSeek-V3 layout) or ``"hidden-first"``
-    (MiMo-style heads)."""
+    (MiMo-style heads). ``depth``: which MTP layer of a head that has several (Step-3.5-Flash,
+    MiMo-V2-Flash; ``cache`` from ``make_mtp_cache(depth)``): layer ``depth`` takes the tokens at
+    ``t+1+depth`` (and, where the family chains them, the previous layer's output as ``hidden``)."""
+    logits, out, _ = _mtp_pass(model, hidden, next_ids, cache, fusion, depth)
+    return logits, out
+
+
+def _mtp_pass(model, hidden, next_ids, cache, fusion=None, depth=0):
+    """``mtp_forward``, also giving the layer's output before its final norm (what the next
+    layer of a chained head takes)."""
     import mlx.core as mx
     from mlx_lm.models.base import create_attention_mask
 
     fusion = _fusion_order(model, fusion)
-    head, family = _head(model), family_of(model)
+    head, family = _depth_module(model, depth), family_of(model)
     embedding_norm, hidden_norm, projection = family.fusion(head)
     embedded = embedding_norm(family.embed(model, next_ids, cache))
     normed = hidden_norm(hidden)
@@ -316,20 +357,32 @@ def mtp_forward(model, hidden, next_ids, cache, fusion=None):
         mask = create_causal_mask(z.shape[1], start, window_size=window)
     z = family.run_layers(head, z, mask, cache)
     out = family.head_norm(head)(z)
-    return family.logits(model, out), out
+    return family.logits(model, out, head=head), out, z
 
 
 class MTPDraftCache:
-    """The draft's per-sequence state: the MTP KV caches and what they cover. Trimming is a
-    no-op that always succeeds: the draft re-synchronises with the main model on every call."""
+    """The draft's per-sequence state: per MTP layer (depth) its KV caches and which positions
+    they hold from true inputs. Trimming is a no-op that always succeeds: the draft
+    re-synchronises with the main model on every call."""
 
-    def __init__(self, kv, since):
-        self.kv = kv
+    def __init__(self, kvs, since):
+        self.kvs = kvs  # per depth: the caches of its attention layers
         self.since = since  # main forward passes before this sequence started
-        self.synced = 0  # MTP slots computed from true main hidden states
+        self.base = [0] * len(kvs)  # per depth: the position of its caches' first slot
+        self.synced = [0] * len(kvs)  # per depth: positions before this one computed from true inputs
+        self.outs = [None] * len(kvs)  # per depth: (first position, outputs before its final norm)
         self.recycled = None  # MTP output hidden of the last draft step
         self.round_of = None  # main committed length the current round started at
         self.step = 0  # draft steps taken in the current round
+        self.drafts = []  # the tokens drafted in the current round (the loop hands them back)
+        self.first_input = None  # x_C: the token the current round started from
+
+    @property
+    def kv(self):
+        return self.kvs[0]
+
+    def _all(self):
+        return [c for kv in self.kvs for c in kv]
 
     def is_trimmable(self):
         return True
@@ -339,21 +392,60 @@ class MTPDraftCache:
 
     @property
     def state(self):
-        return [c.state for c in self.kv if positions_cache(c).keys is not None]
+        return [c.state for c in self._all() if positions_cache(c).keys is not None]
 
     @property
     def nbytes(self):
-        return sum(c.nbytes for c in self.kv if positions_cache(c).keys is not None and hasattr(c, "nbytes"))
+        return sum(c.nbytes for c in self._all() if positions_cache(c).keys is not None and hasattr(c, "nbytes"))
 
     def empty(self):
-        return all(positions_cache(c).keys is None for c in self.kv)
+        return all(positions_cache(c).keys is None for c in self._all())
+
+    def cut(self, depth, position):
+        """Drop depth ``depth``'s slots from ``position`` on (none if its caches start later)."""
+        for kv in self.kvs[depth]:
+            end = self.base[depth] + positions_cache(kv).offset
+            if end > position:
+                kv.trim(end - max(position, self.base[depth]))
+
+    def restart(self, depth, position):
+        """Empty depth ``depth``'s caches; its next slot is ``position``."""
+        self.cut(depth, self.base[depth])
+        self.base[depth] = self.synced[depth] = position
+        self.outs[depth] = None
+
+    def keep_outputs(self, depth, first, z, need):
+        """Record depth ``depth``'s outputs ``z`` from position ``first`` on, with those of earlier
+        true positions from ``need`` on still held (what the next depth has not taken yet)."""
+        import mlx.core as mx
+
+        old = self.outs[depth]
+        if old is not None and old[0] <= need < first and old[0] + old[1].shape[1] >= first:
+            z = mx.concatenate([old[1][:, need - old[0]:first - old[0]], z], axis=1)
+            first = need
+        self.outs[depth] = (first, z)
+
+    def outputs(self, depth, first, last):
+        """Depth ``depth``'s recorded outputs at positions ``first..last-1``, or ``None``."""
+        held = self.outs[depth]
+        if held is None or held[0] > first or held[0] + held[1].shape[1] < last:
+            return None
+        return held[1][:, first - held[0]:last - held[0]]
 
 
 class MTPDraft:
     """A draft model for mlx-lm's speculative loop, backed by ``model``'s MTP head. It reads the
     main model's hidden state at the last committed position from what the verify pass
     recorded, so a hybrid main model's rollback leaves the re-run of accepted tokens to the next
-    verify pass (journal.py, ``fuse``): a rejected draft costs no model call of its own."""
+    verify pass (journal.py, ``fuse``): a rejected draft costs no model call of its own.
+
+    Heads with several MTP layers (Step-3.5-Flash, MiMo-V2-Flash) draft step ``k`` of a round
+    with layer ``k``, as they were trained: layer ``k`` at position ``i`` takes the token at
+    ``i+k+1`` and, for a chained family (``CHAINED``: Step-3.5), layer ``k-1``'s output at ``i``
+    before its final norm, else (MiMo-V2) the main model's hidden state at ``i``. Each layer's
+    cache holds every position it has true inputs for (``i <= C-1-k``, C committed); the draft's
+    own tokens fill the rest for the round and are dropped at the next. Steps past the last
+    layer recycle the last layer's output."""
 
     def __init__(self, model, hidden=None, fusion=None):
         hidden = hidden or getattr(family_of(model), "HIDDEN", "post")  # the family's, by default
@@ -365,9 +457,11 @@ class MTPDraft:
         self.hidden = hidden
         self.capture = install_capture(model)
         self.layers = _head(model).layers
+        self.depths = depths_of(model)
+        self.chained = bool(getattr(family_of(model), "CHAINED", False))
 
     def make_cache(self):
-        return [MTPDraftCache(make_mtp_cache(self.main), self.capture.count)]
+        return [MTPDraftCache([make_mtp_cache(self.main, d) for d in range(self.depths)], self.capture.count)]
 
     def __call__(self, inputs, cache=None, **kwargs):
         import mlx.core as mx
@@ -379,35 +473,94 @@ class MTPDraft:
         if committed is None or committed < 1 or inputs.shape[0] != 1:
             return placeholder
         if state.round_of != committed or state.recycled is None:  # the main model moved: a new round
-            for kv in state.kv:
-                if positions_cache(kv).offset > state.synced:
-                    kv.trim(positions_cache(kv).offset - state.synced)
-            span = self.capture.span(state.synced, committed, self.hidden)
-            if span is None:  # hidden states not recorded (e.g. prefilled elsewhere)
-                self._reset(state, committed)
-                span = self.capture.span(committed - 1, committed, self.hidden)
-                if span is None:  # nothing to draft from: proposals the main model rejects
-                    state.round_of = None
-                    return placeholder
-            state.round_of = committed
-            h, x_following = span
-            # The last slot pairs h_{C-1} with x_C, which the main model has not processed yet:
-            # it is the last token the loop hands the draft.
-            x_next = mx.concatenate([x_following, inputs[:, -1:].astype(x_following.dtype)], axis=1)
-            logits, out = mtp_forward(self.main, h, x_next.astype(mx.uint32), state.kv, self.fusion)
-            state.synced = committed
+            logits = self._first_step(state, committed, inputs)
+            if logits is None:  # nothing to draft from: proposals the main model rejects
+                return placeholder
         else:
-            logits, out = mtp_forward(self.main, state.recycled, inputs[:, -1:], state.kv, self.fusion)
-        state.recycled = out[:, -1:]
+            state.step += 1
+            state.drafts.append(inputs[:, -1:])
+            if state.step < self.depths:
+                logits = self._deeper_step(state, committed, state.step)
+            else:
+                last = self.depths - 1
+                logits, out, _ = _mtp_pass(self.main, state.recycled, inputs[:, -1:], state.kvs[last],
+                                           self.fusion, last)
+                state.recycled = out[:, -1:]
         full = mx.concatenate([placeholder[:, :-1], logits[:, -1:]], axis=1) if inputs.shape[1] > 1 \
             else logits[:, -1:]
         return full
 
-    def _reset(self, state, committed):
-        for kv in state.kv:
-            if positions_cache(kv).offset:
-                kv.trim(positions_cache(kv).offset)
-        state.synced = committed - 1
+    def _first_step(self, state, committed, inputs):
+        """Layer 0 over the committed positions it has not seen, ``h_t`` with ``x_{t+1}``; its last
+        slot pairs ``h_{C-1}`` with ``x_C`` - the last token the loop hands the draft, which the
+        main model has not processed yet. The logits of that slot, or None."""
+        import mlx.core as mx
+
+        state.cut(0, state.synced[0])
+        span = self.capture.span(state.synced[0], committed, self.hidden)
+        if span is None:  # hidden states not recorded (e.g. prefilled elsewhere)
+            state.restart(0, committed - 1)
+            span = self.capture.span(committed - 1, committed, self.hidden)
+            if span is None:
+                state.round_of = None
+                return None
+        first = state.synced[0]
+        state.round_of, state.step, state.drafts = committed, 0, []
+        state.first_input = inputs[:, -1:]
+        h, x_following = span
+        x_next = mx.concatenate([x_following, inputs[:, -1:].astype(x_following.dtype)], axis=1)
+        logits, out, z = _mtp_pass(self.main, h, x_next.astype(mx.uint32), state.kvs[0], self.fusion, 0)
+        state.synced[0] = committed
+        if self.depths > 1 and self.chained:
+            state.keep_outputs(0, first, z, state.synced[1])
+        state.recycled = out[:, -1:]
+        return logits
+
+    def _deeper_step(self, state, committed, depth):
+        """Layer ``depth`` over the positions from its first slot without true inputs to C-1: the
+        slots of positions ``i <= C-1-depth`` from the sequence's tokens (kept), the last
+        ``depth`` from the round's drafts (dropped at the next round); its last slot's logits."""
+        import mlx.core as mx
+
+        first = state.synced[depth]
+        state.cut(depth, first)
+        inputs = self._inputs(state, committed, depth, first)
+        if inputs is None:  # its inputs since `first` are gone (it did not draft for a while)
+            held = state.outs[depth - 1] if self.chained else None
+            first = held[0] if held is not None else committed - 1
+            state.restart(depth, first)
+            inputs = self._inputs(state, committed, depth, first)
+            if inputs is None:
+                return mx.zeros((1, 1, family_of(self.main).vocab_size(self.main)))
+        source, ids = inputs
+        logits, out, z = _mtp_pass(self.main, source, ids, state.kvs[depth], self.fusion, depth)
+        state.synced[depth] = max(first, committed - depth)
+        if self.chained and depth + 1 < self.depths:
+            state.keep_outputs(depth, first, z, state.synced[depth + 1])
+        state.recycled = out[:, -1:]
+        return logits
+
+    def _inputs(self, state, committed, depth, first):
+        """What layer ``depth`` takes at positions ``first..C-1``: the hidden states (the previous
+        layer's outputs, or the main model's) and the tokens at ``first+depth+1..C+depth`` (the
+        sequence's, ``x_C``, then the round's drafts); None if not all are at hand."""
+        import mlx.core as mx
+
+        if self.chained:
+            source = state.outputs(depth - 1, first, committed)
+        else:
+            span = self.capture.span(first, committed, self.hidden)
+            source = span[0] if span is not None else None
+        lo = first + depth + 1
+        parts = []
+        if lo < committed:
+            parts.append(self.capture.tokens(lo, committed))
+        if lo <= committed:
+            parts.append(state.first_input)
+        parts += state.drafts[max(0, lo - committed - 1):]
+        if source is None or any(part is None for part in parts):
+            return None
+        return source, mx.concatenate([part.astype(mx.uint32) for part in parts], axis=1)
 
 
 def add_interface(model, track=None) -> None:

@@ -205,7 +205,7 @@ class Qwen(_DecoderLayers):
     def final_norm(self, model):
         return self._text(model).model.norm
 
-    def logits(self, model, out):
+    def logits(self, model, out, head=None):
         text = self._text(model)
         if text.args.tie_word_embeddings:
             return text.model.embed_tokens.as_linear(out)
@@ -297,7 +297,7 @@ class NemotronH(_Family):
     def final_norm(self, model):
         return model.backbone.norm_f
 
-    def logits(self, model, out):
+    def logits(self, model, out, head=None):
         return model.lm_head(out)
 
     def vocab_size(self, model):
@@ -356,7 +356,7 @@ class _ExtraLayerHead(_DecoderLayers):
     def final_norm(self, model):
         return self._inner(model).norm
 
-    def logits(self, model, out):
+    def logits(self, model, out, head=None):
         if getattr(model.args, "tie_word_embeddings", False) and not hasattr(model, "lm_head"):
             return self._inner(model).embed_tokens.as_linear(out)
         return model.lm_head(out)
@@ -581,17 +581,33 @@ def _through_stock_sanitize(tensors, stock_sanitize, stand_in, back):
     return rest
 
 
-def _first_of(tensors):
-    """What ``mtp_status`` adds when a checkpoint ships more MTP layers than the one kept."""
-    layers = {m.group(1) for k in tensors for m in [re.search(r"\bmtp\.layers\.(\d+)\.", k)] if m}
-    if len(layers) > 1:
-        return f"the first of the checkpoint's {len(layers)}; the others are not used"
-    return None
+DEPTHS = re.compile(r"^depths\.(\d+)\.")  # the head's MTP layers after the first: depths.{i-1}.*
 
 
-def _first_layer_only(tensors):
-    """``tensors`` without those of MTP layers after the first (``layers.{i}.`` with ``i > 0``)."""
-    return {k: v for k, v in tensors.items() if not re.match(r"^layers\.[1-9]\d*\.", k)}
+def _depth_count(weights, config):
+    """How many MTP layers a head that drafts with each in turn has: those of the (converted)
+    weights, else those the config declares, at least one."""
+    from mlx_lm_patches.mechanisms.mtp.heads import declared_layers
+
+    if weights:
+        return 1 + len({m.group(1) for k in weights for m in [DEPTHS.match(k)] if m})
+    return max(declared_layers(config), 1)
+
+
+def _with_depths(build_one, count):
+    """The head: MTP layer 0 (``build_one(0)``) with the later ones as ``depths``."""
+    head = build_one(0)
+    if count > 1:
+        head.depths = [build_one(i) for i in range(1, count)]
+    return head
+
+
+def _as_depth(index, tail, top):
+    """Where a checkpoint tensor of MTP layer ``index`` (``tail``: its name inside the layer)
+    goes in the head: layer 0's at the top (``top``: fusion and final-norm names) or under
+    ``layers.0.``; later layers' the same under ``depths.{index-1}.``."""
+    inner = tail if tail.startswith(top) else f"layers.0.{tail}"
+    return inner if index == 0 else f"depths.{index - 1}.{inner}"
 
 
 class MiMoV2(_ExtraLayerHead):
@@ -604,11 +620,15 @@ class MiMoV2(_ExtraLayerHead):
     ``mimo_v2_mtp.py`` (the tensor names, the order of the halves, the main model's final normed
     hidden state as input, the shared embedding and output head, a sliding dense layer) and
     SGLang's ``mimo_v2_flash_nextn.py`` (the same layer, the norm's name in mlx-lm terms).
-    Checkpoints ship three MTP layers; the first one is kept (vLLM drafts with it alone; how the
-    others would chain is not described publicly). fp8 tensors (``weight_scale_inv``) are
-    dequantized by the release's own ``sanitize``, as the backbone's are."""
+    Checkpoints ship three MTP layers, all kept: draft step ``k`` uses layer ``k``, and every
+    layer takes the main model's hidden state (not the previous layer's output): the MiMo-V2-Flash
+    report has each head read the main model's hidden state and a token embedding, SGLang's
+    multi-layer worker feeds every MiMo layer the target's hidden state, and sglang-jax PR #1256
+    measured chaining them as worse. fp8 tensors (``weight_scale_inv``) are dequantized by the
+    release's own ``sanitize``, as the backbone's are."""
 
     names = ("mimo_v2_flash",)
+    CHAINED = False
     _LAYER_KEY = re.compile(r"^(.*\bmtp\.)layers\.(\d+)\.(.+)$")
     _TOP = ("enorm.", "hnorm.", "eh_proj.", "final_layernorm.")
 
@@ -633,9 +653,6 @@ class MiMoV2(_ExtraLayerHead):
 
         return _through_stock_sanitize(tensors, stock_sanitize, stand_in, back)
 
-    def status_note(self, tensors):
-        return _first_of(tensors)
-
     def build(self, model, config, weights, n_layers):
         import mlx.nn as nn
 
@@ -644,29 +661,30 @@ class MiMoV2(_ExtraLayerHead):
         self._one_layer(n_layers, "MiMo-V2-Flash")
         args = model.args
         hidden, eps = args.hidden_size, args.layernorm_epsilon
-        head = nn.Module()
-        head.enorm = nn.RMSNorm(hidden, eps=eps)
-        head.hnorm = nn.RMSNorm(hidden, eps=eps)
-        head.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
-        head.layers = [DecoderLayer(args, is_moe=False, is_sliding_window=True)]
-        head.final_layernorm = nn.RMSNorm(hidden, eps=eps)
-        head.__dict__[SLIDING_WINDOW] = args.sliding_window_size
-        return head
+
+        def one(_):
+            head = nn.Module()
+            head.enorm = nn.RMSNorm(hidden, eps=eps)
+            head.hnorm = nn.RMSNorm(hidden, eps=eps)
+            head.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
+            head.layers = [DecoderLayer(args, is_moe=False, is_sliding_window=True)]
+            head.final_layernorm = nn.RMSNorm(hidden, eps=eps)
+            head.__dict__[SLIDING_WINDOW] = args.sliding_window_size
+            return head
+
+        return _with_depths(one, _depth_count(weights, config))
 
     def convert(self, tensors, mlx_layout=False):
-        """Checkpoint names (``layers.0.enorm``, ``layers.0.pre_mlp_layernorm``, ...) to the head's;
-        the MTP layers after the first are left out."""  # (before the rename: all under layers.{i})
+        """Checkpoint names (``layers.{i}.enorm``, ``layers.{i}.pre_mlp_layernorm``, ...) to the
+        head's: layer 0 at the top, layer ``i`` under ``depths.{i-1}``."""
         out = {}
         for key, value in tensors.items():
             match = re.match(r"^layers\.(\d+)\.(.+)$", key)
             if match is None:
                 out[key] = value
-            elif match.group(1) == "0":
-                tail = match.group(2)
-                if tail.startswith(self._TOP):
-                    out[tail] = value
-                else:
-                    out[f"layers.0.{tail.replace('pre_mlp_layernorm.', 'post_attention_layernorm.')}"] = value
+            else:
+                tail = match.group(2).replace("pre_mlp_layernorm.", "post_attention_layernorm.")
+                out[_as_depth(int(match.group(1)), tail, self._TOP)] = value
         return out
 
     def fusion(self, head):
@@ -686,10 +704,14 @@ class Step3p5(_ExtraLayerHead):
     (which decides that for the whole checkpoint). Followed: vLLM's ``step3p5_mtp.py`` and
     SGLang's ``step3p5_mtp.py`` (the names, the order of the halves, the main model's hidden
     state *before* its final norm as input, the per-layer output head, the shared embedding).
-    Checkpoints ship three MTP layers; the first is kept."""
+    Checkpoints ship three MTP layers, all kept and chained: draft step ``k`` uses layer ``k``,
+    fed layer ``k-1``'s output before its ``shared_head.norm`` (vLLM's ``spec_decode/step3p5.py``
+    proposer, SGLang's multi-layer worker for ``Step3p5MTP`` - its PR #18564 "standard
+    multi-layer MTP for step3p5" - and llama.cpp's Step-3.5 MTP drafting all do so)."""
 
     names = ("step3p5",)
     HIDDEN = "pre"
+    CHAINED = True
     _FUSION = ("enorm.", "hnorm.", "eh_proj.", "shared_head.")
 
     def split_checkpoint(self, model, weights, stock_sanitize):
@@ -711,9 +733,6 @@ class Step3p5(_ExtraLayerHead):
     def source(self, model):
         return f"the checkpoint's layer model.layers.{model.args.num_hidden_layers}"
 
-    def status_note(self, tensors):
-        return _first_of(tensors)
-
     def build(self, model, config, weights, n_layers):
         import mlx.nn as nn
 
@@ -722,22 +741,33 @@ class Step3p5(_ExtraLayerHead):
         self._one_layer(n_layers, "Step-3.5")
         args = model.args
         depth, hidden, eps = args.num_hidden_layers, args.hidden_size, args.rms_norm_eps
-        if args.layer_types and len(args.layer_types) <= depth:
-            raise HeadUnsupported(f"layer_types lists {len(args.layer_types)} layers: not the MTP layer at {depth}")
-        head = nn.Module()
-        head.enorm = ZeroCenteredRMSNorm(hidden, eps=eps)
-        head.hnorm = ZeroCenteredRMSNorm(hidden, eps=eps)
-        head.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
-        head.layers = [Step3p5DecoderLayer(args, depth)]
-        head.shared_head = nn.Module()
-        head.shared_head.norm = ZeroCenteredRMSNorm(hidden, eps=eps)
-        head.shared_head.output = nn.Linear(hidden, args.vocab_size, bias=False)
-        if head.layers[0].is_sliding:
-            head.__dict__[SLIDING_WINDOW] = args.sliding_window
-        return head
+        count = _depth_count(weights, config)
+        if args.layer_types and len(args.layer_types) < depth + count:
+            raise HeadUnsupported(f"layer_types lists {len(args.layer_types)} layers: not the MTP layers at "
+                                  f"{depth}-{depth + count - 1}")
+
+        def one(i):  # the layer at index depth + i: its kind (sliding or full, dense or MoE) as mlx-lm's
+            head = nn.Module()
+            head.enorm = ZeroCenteredRMSNorm(hidden, eps=eps)
+            head.hnorm = ZeroCenteredRMSNorm(hidden, eps=eps)
+            head.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
+            head.layers = [Step3p5DecoderLayer(args, depth + i)]
+            head.shared_head = nn.Module()
+            head.shared_head.norm = ZeroCenteredRMSNorm(hidden, eps=eps)
+            head.shared_head.output = nn.Linear(hidden, args.vocab_size, bias=False)
+            if head.layers[0].is_sliding:
+                head.__dict__[SLIDING_WINDOW] = args.sliding_window
+            return head
+
+        return _with_depths(one, count)
 
     def convert(self, tensors, mlx_layout=False):
-        return _first_layer_only(tensors)
+        """Layer ``i > 0`` (``layers.{i}.*`` after ``split_checkpoint``) under ``depths.{i-1}``."""
+        out = {}
+        for key, value in tensors.items():
+            match = re.match(r"^layers\.([1-9]\d*)\.(.+)$", key)
+            out[_as_depth(int(match.group(1)), match.group(2), self._FUSION) if match else key] = value
+        return out
 
     def fusion(self, head):
         return head.enorm, head.hnorm, head.eh_proj
@@ -745,8 +775,9 @@ class Step3p5(_ExtraLayerHead):
     def head_norm(self, head):
         return head.shared_head.norm
 
-    def logits(self, model, out):
-        return model.__dict__["mtp"].shared_head.output(out)
+    def logits(self, model, out, head=None):
+        """Each MTP layer's own output head (``head``: the layer's module; the first by default)."""
+        return (head if head is not None else model.__dict__["mtp"]).shared_head.output(out)
 
 
 class BailingV3(DeepSeekV3):
@@ -820,7 +851,7 @@ class BailingV3(DeepSeekV3):
     def embed(self, model, ids, cache=None):
         return model.model.word_embeddings(ids)
 
-    def logits(self, model, out):
+    def logits(self, model, out, head=None):
         if model.lm_head is None:
             return model.model.word_embeddings.as_linear(out)
         return model.lm_head(out)

@@ -219,6 +219,10 @@ def attach(model, model_path, config, lazy=False) -> None:
         mx.eval(head.parameters())
     note = getattr(family_of(model), "status_note", lambda _: None)(tensors)
     model.__dict__["mtp"] = head
+    depths = len(getattr(head, "depths", ())) + 1
+    if depths > 1:
+        fed = "the previous one's output" if getattr(family_of(model), "CHAINED", False) else "the model's hidden state"
+        note = (f"{note}; " if note else "") + f"{depths} MTP layers, draft step k with layer k, each fed {fed}"
     model.__dict__["mtp_status"] = (f"MTP head kept: {len(head.layers)} layer(s)"
                                     + (f" ({note})" if note else "") + f", {len(weights)} tensors, "
                                     f"from {' and '.join(sources)}"

@@ -49,7 +49,8 @@ def shard_head(shard_function, model, group) -> None:
     group = group or mx.distributed.init()
     status = model.__dict__.get("mtp_status", "MTP head kept")
     try:
-        shard_function(_stand_in(family_of(model).shard_view(list(head.layers), group)), group)
+        layers = list(head.layers) + [layer for depth in getattr(head, "depths", ()) for layer in depth.layers]
+        shard_function(_stand_in(family_of(model).shard_view(layers, group)), group)
     except Exception as exc:  # noqa: BLE001 - any failure leaves the head in an unknown state
         model.__dict__["mtp"] = None
         model.__dict__["mtp_status"] = (f"MTP head dropped: {type(model).__module__}.Model.shard could not "
