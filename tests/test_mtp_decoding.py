@@ -133,8 +133,38 @@ def _layer_reference(model, sequence, committed, drafts):
     for depth in range(len(drafts) + 1):
         ids = mx.array(tokens[depth + 1:committed + depth + 1])[None]
         logits, _, z = _mtp_pass(model, hidden, ids, make_mtp_cache(model, depth), depth=depth)
-        hidden = z if family.CHAINED else main
+        hidden = z if getattr(family, "CHAINED", False) else main
     return logits[0, -1]
+
+
+def _recording(model, calls):
+    """The model's MTP draft, appending ``(C, drafts, logits)`` to ``calls`` for every proposal:
+    the round's committed length, the tokens drafted before in the round, the proposal's row."""
+    from mlx_lm_patches.mechanisms.mtp.decoding import MTPDraft
+
+    class Recording(MTPDraft):
+        def __call__(self, inputs, cache=None, **kwargs):
+            state = cache[0]
+            committed = self.capture.committed(state.since)
+            logits = super().__call__(inputs, cache=cache, **kwargs)
+            if committed and state.round_of == committed:  # (not a placeholder, e.g. while prefilling)
+                calls.append((committed, [int(d.item()) for d in state.drafts], logits[0, -1]))
+            return logits
+
+    return Recording(model)
+
+
+def _check_layer_proposals(model, sequence, calls, depths):
+    """Every recorded proposal of a layer (not a recycled step past the last) equals the layer's
+    cold pass over the prefix; returns the draft steps seen."""
+    import mlx.core as mx
+
+    checked = [(c, d, row) for c, d, row in calls if len(d) < depths and c + len(d) < len(sequence)]
+    for committed, drafts, row in checked:
+        expected = _layer_reference(model, sequence, committed, drafts)
+        worst = mx.abs(row - expected).max().item()
+        assert worst < LOGPROB_TOLERANCE, (committed, drafts, worst)
+    return {len(d) for _, d, _ in checked}
 
 
 @pytest.mark.parametrize("hinted", [False, True], ids=["own-proposals", "with-accepted-rounds"])
@@ -145,42 +175,88 @@ def test_each_draft_step_uses_its_own_mtp_layer(loaded, family, hinted):
     each taking the previous one's output; MiMo-V2's each taking the main hidden state), equal to
     a cold pass of each layer over the whole prefix - also after rounds that accepted drafts,
     where each layer catches its cache up over several positions - within the log-probability
-    tolerance; past the last layer, the last one recycles its output. Output: greedy."""
+    tolerance. (Steps past the last layer recycle the last one's output: not compared.) Output:
+    greedy."""
     import mlx.core as mx
     from mlx_lm.generate import speculative_generate_step
 
-    from mlx_lm_patches.mechanisms.mtp.decoding import MTPDraft, depths_of
+    from mlx_lm_patches.mechanisms.mtp.decoding import depths_of
     from support.mtp_drafts import hinted_draft
 
     model = loaded[family][0]
     depths = depths_of(model)
     assert depths > 1
     calls = []
-
-    class Recording(MTPDraft):
-        def __call__(self, inputs, cache=None, **kwargs):
-            logits = super().__call__(inputs, cache=cache, **kwargs)
-            state = cache[0]
-            if state.round_of:
-                calls.append((state.round_of, [int(d.item()) for d in state.drafts], logits[0, -1]))
-            return logits
-
     prompt = prompt_tokens(15, seed=9)
     reference = greedy_of(model, prompt, max_tokens=12)
-    draft = Recording(model)
+    draft = _recording(model, calls)
     if hinted:
         draft = hinted_draft(model, prompt + reference.tokens, draft=draft)
     steps = list(speculative_generate_step(mx.array(prompt), model, draft, num_draft_tokens=depths + 1,
                                            max_tokens=12))
     assert [int(t) for t, _, _ in steps] == reference.tokens
     assert any(from_draft for _, _, from_draft in steps) == hinted
-    sequence = prompt + reference.tokens
-    checked = [(c, d, row) for c, d, row in calls if len(d) < depths and c + len(d) < len(sequence)]
-    assert {len(d) for _, d, _ in checked} == set(range(depths)), [len(d) for _, d, _ in calls]
-    for committed, drafts, row in checked:
-        expected = _layer_reference(model, sequence, committed, drafts)
-        worst = mx.abs(row - expected).max().item()
-        assert worst < LOGPROB_TOLERANCE, (committed, drafts, worst)
+    steps_seen = _check_layer_proposals(model, prompt + reference.tokens, calls, depths)
+    assert steps_seen == set(range(depths)), [len(d) for _, d, _ in calls]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.family_sweep(MTP_MODEL_TYPES)
+def test_the_draft_follows_a_prompt_cache_trimmed_back(loaded, family):
+    """A prompt cache (the main model's and the draft's) trimmed back into the prompt and
+    extended with other tokens - what mlx_lm.server does reusing a cached prefix: every MTP
+    layer keeps only the slots before the first changed token, so each proposal of the next
+    request equals the layer's cold pass over its own sequence, and the output is greedy's."""
+    import mlx.core as mx
+    from mlx_lm.generate import speculative_generate_step
+    from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+
+    from mlx_lm_patches.mechanisms.mtp.decoding import depths_of
+
+    model = loaded[family][0]
+    if not can_trim_prompt_cache(make_prompt_cache(model)):
+        pytest.skip(f"{family}'s cache cannot be trimmed back (a hybrid: the server reuses its snapshots)")
+    depths, calls = depths_of(model), []
+    first, second = prompt_tokens(15, seed=9), prompt_tokens(6, seed=31)
+    reference = greedy_of(model, first[:8] + second, max_tokens=12)  # (before: it runs the model elsewhere)
+    draft = _recording(model, calls)
+    cache = make_prompt_cache(model) + draft.make_cache()
+    held = len(first) + len(list(speculative_generate_step(mx.array(first), model, draft, prompt_cache=cache,
+                                                           num_draft_tokens=depths + 1, max_tokens=12)))
+    assert trim_prompt_cache(cache[:-1], held - 8) == held - 8  # back to the first 8 prompt tokens
+    calls.clear()
+    steps = list(speculative_generate_step(mx.array(second), model, draft, prompt_cache=cache,
+                                           num_draft_tokens=depths + 1, max_tokens=12))
+    assert [int(t) for t, _, _ in steps] == reference.tokens
+    steps_seen = _check_layer_proposals(model, first[:8] + second + reference.tokens, calls, depths)
+    assert steps_seen == set(range(depths)), [len(d) for _, d, _ in calls]
+
+
+@pytest.mark.parametrize("family", LAYERED)
+def test_a_layered_draft_drafting_fewer_tokens_than_layers_holds_little(loaded, family):
+    """Fewer draft tokens per round than MTP layers (mlx-lm's default of 2 for Step-3.5's three):
+    the layers that never draft hold nothing, and the outputs kept for the next layer stay a
+    round's worth, however long the generation; output greedy."""
+    import mlx.core as mx
+    from mlx_lm.generate import speculative_generate_step
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlx_lm_patches.mechanisms.mtp.decoding import depths_of
+    from support.mtp_drafts import hinted_draft
+
+    model = loaded[family][0]
+    depths = depths_of(model)
+    prompt = prompt_tokens(15, seed=9)
+    reference = greedy_of(model, prompt, max_tokens=40)
+    draft = hinted_draft(model, prompt + reference.tokens)
+    cache = make_prompt_cache(model) + draft.make_cache()
+    steps = list(speculative_generate_step(mx.array(prompt), model, draft, prompt_cache=cache,
+                                           num_draft_tokens=depths - 1, max_tokens=40))
+    assert [int(t) for t, _, _ in steps] == reference.tokens
+    state = cache[-1]
+    held = [0 if kept is None else kept[1].shape[1] for kept in state.outs]
+    assert max(held) <= depths + 1, held
+    assert all(c.offset == 0 for c in state.kvs[-1]), "the last layer never drafted"
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -71,10 +71,10 @@ def test_the_head_is_kept_exactly(written, family, form):
     elif form == "hf" and family == "ernie4_5_moe":
         assert model.mtp_status.endswith("from the checkpoint's model.mtp_* tensors"), model.mtp_status
     elif family == "mimo_v2_flash":  # model.mtp.layers.{0,1,2}: one per draft step
-        assert model.mtp_status.startswith("MTP head kept: 1 layer(s) (3 MTP layers, draft step k with layer k, "
+        assert model.mtp_status.startswith("MTP head kept: 3 MTP layers (draft step k with layer k, "
                                            "each fed the model's hidden state)"), model.mtp_status
     elif family == "step3p5":  # model.layers.{3,4}: one per draft step, each with its own output head
-        assert model.mtp_status.startswith("MTP head kept: 1 layer(s) (2 MTP layers, draft step k with layer k, "
+        assert model.mtp_status.startswith("MTP head kept: 2 MTP layers (draft step k with layer k, "
                                            "each fed the previous one's output)"), model.mtp_status
         source = "layer model.layers.3" if form == "hf" else "mtp.* keys"
         assert model.mtp_status.endswith(f"from the checkpoint's {source}"), model.mtp_status

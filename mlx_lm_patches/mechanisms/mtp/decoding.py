@@ -57,6 +57,7 @@ from mlx_lm_patches.mechanisms.mtp.families import SLIDING_WINDOW, family_of
 HIDDEN_KINDS = ("post", "pre")
 FUSION_ORDERS = ("embedding-first", "hidden-first")  # order of the two halves fed to ``fc``
 KEEP_POSITIONS = 8192  # captured hidden states kept at most (positions), per model
+CHANGES = 256  # forward passes whose changed positions are remembered
 
 
 class MTPUnavailable(RuntimeError):
@@ -97,6 +98,7 @@ class HiddenCapture:
         self.last = None  # {"pre", "post"} hidden states of the last forward, any batch size
         self.norm = None  # weakref to the final norm whose class was swapped
         self._journal = None  # weakref to the rollback journal of the recorded passes' cache, if any
+        self._changes = []  # (pass number, first position whose token it changed), the last CHANGES passes
 
     def forward_started(self):
         self._pending = []  # norm calls outside a forward of the model (e.g. its inner model's) do not count
@@ -129,6 +131,7 @@ class HiddenCapture:
             self._leaf_since = self.count
         self.count += 1
         end = start + inputs.shape[1]
+        self._changes = (self._changes + [(self.count, self._first_change(start, inputs))])[-CHANGES:]
         # A new pass from `start` replaces what was recorded at or after it (trim + replay).
         kept = []
         for f in self.forwards:
@@ -142,6 +145,29 @@ class HiddenCapture:
         while kept and end - kept[0].start > KEEP_POSITIONS and len(kept) > 1:
             kept.pop(0)
         self.forwards = kept
+
+    def _first_change(self, start, inputs):
+        """The first position from ``start`` on where ``inputs`` differ from the recorded tokens
+        (a verify pass re-running accepted tokens changes none; one over rejected drafts, or a
+        prompt cache trimmed back and extended otherwise, does)."""
+        new, position = inputs[0].tolist(), start
+        for f in self.forwards:
+            lo, hi = max(position, f.start), min(start + len(new), f.start + f.tokens.shape[1])
+            if lo != position or lo >= hi:
+                continue
+            old = f.tokens[0, lo - f.start:hi - f.start].tolist()
+            same = next((i for i, (a, b) in enumerate(zip(old, new[lo - start:hi - start])) if a != b), len(old))
+            position = lo + same
+            if same < len(old):
+                return position
+        return position
+
+    def changed_since(self, count) -> int:
+        """The first position whose token a pass after pass number ``count`` changed (0 if those
+        passes are no longer all known; a large number if none changed any)."""
+        if count < self.count - len(self._changes):
+            return 0
+        return min((at for n, at in self._changes if n > count), default=1 << 62)
 
     def committed(self, since=0) -> Optional[int]:
         """How many positions the main model has committed now (after any trim), if its cache
@@ -368,6 +394,8 @@ class MTPDraftCache:
     def __init__(self, kvs, since):
         self.kvs = kvs  # per depth: the caches of its attention layers
         self.since = since  # main forward passes before this sequence started
+        self.seen = since  # main forward passes before the current round started
+        self.reached = 0  # the deepest draft step of the previous round
         self.base = [0] * len(kvs)  # per depth: the position of its caches' first slot
         self.synced = [0] * len(kvs)  # per depth: positions before this one computed from true inputs
         self.outs = [None] * len(kvs)  # per depth: (first position, outputs before its final norm)
@@ -376,6 +404,7 @@ class MTPDraftCache:
         self.step = 0  # draft steps taken in the current round
         self.drafts = []  # the tokens drafted in the current round (the loop hands them back)
         self.first_input = None  # x_C: the token the current round started from
+        self.skipped = None  # C of calls left to the next round (the draft's part of a prompt)
 
     @property
     def kv(self):
@@ -396,7 +425,8 @@ class MTPDraftCache:
 
     @property
     def nbytes(self):
-        return sum(c.nbytes for c in self._all() if positions_cache(c).keys is not None and hasattr(c, "nbytes"))
+        held = sum(z.nbytes for _, z in filter(None, self.outs))
+        return held + sum(c.nbytes for c in self._all() if positions_cache(c).keys is not None and hasattr(c, "nbytes"))
 
     def empty(self):
         return all(positions_cache(c).keys is None for c in self._all())
@@ -414,13 +444,15 @@ class MTPDraftCache:
         self.base[depth] = self.synced[depth] = position
         self.outs[depth] = None
 
-    def keep_outputs(self, depth, first, z, need):
+    def keep_outputs(self, depth, first, z):
         """Record depth ``depth``'s outputs ``z`` from position ``first`` on, with those of earlier
-        true positions from ``need`` on still held (what the next depth has not taken yet)."""
+        true positions the next depth has not taken yet, if it drafted in the previous round
+        (else it starts again when it next drafts: what is held stays bounded)."""
         import mlx.core as mx
 
-        old = self.outs[depth]
-        if old is not None and old[0] <= need < first and old[0] + old[1].shape[1] >= first:
+        old, need = self.outs[depth], self.synced[depth + 1]
+        if depth + 1 <= self.reached and old is not None and old[0] <= need < first \
+                and old[0] + old[1].shape[1] >= first:
             z = mx.concatenate([old[1][:, need - old[0]:first - old[0]], z], axis=1)
             first = need
         self.outs[depth] = (first, z)
@@ -428,7 +460,7 @@ class MTPDraftCache:
     def outputs(self, depth, first, last):
         """Depth ``depth``'s recorded outputs at positions ``first..last-1``, or ``None``."""
         held = self.outs[depth]
-        if held is None or held[0] > first or held[0] + held[1].shape[1] < last:
+        if held is None or first >= last or held[0] > first or held[0] + held[1].shape[1] < last:
             return None
         return held[1][:, first - held[0]:last - held[0]]
 
@@ -470,7 +502,10 @@ class MTPDraft:
         committed = self.capture.committed(state.since)
         vocab = family_of(self.main).vocab_size(self.main)
         placeholder = mx.zeros((inputs.shape[0], inputs.shape[1], vocab))
-        if committed is None or committed < 1 or inputs.shape[0] != 1:
+        if committed is None or committed < 1 or inputs.shape[0] != 1 or state.skipped == committed:
+            return placeholder
+        if not self._ends_at(inputs, committed):  # a prompt the main model has not run yet: not a
+            state.skipped = committed             # round (nor the calls on tokens sampled from this)
             return placeholder
         if state.round_of != committed or state.recycled is None:  # the main model moved: a new round
             logits = self._first_step(state, committed, inputs)
@@ -490,12 +525,27 @@ class MTPDraft:
             else logits[:, -1:]
         return full
 
+    def _ends_at(self, inputs, committed):
+        """Whether ``inputs``' last token is the one at position C, those before it the main
+        model's last ones (the loop hands a round's first call one or two tokens). Not so for a
+        prompt the draft is handed before the main model runs it (mlx-lm's prefill of the draft,
+        or before 0.29 the whole prompt as the first round's input): those tokens go at C and
+        after, and the draft leaves them to the round that follows."""
+        n = inputs.shape[1]
+        if n == 1:
+            return True
+        if committed - n + 1 < 0:
+            return False
+        known = self.capture.tokens(committed - n + 1, committed)
+        return known is not None and known[0].tolist() == inputs[0, :-1].tolist()
+
     def _first_step(self, state, committed, inputs):
         """Layer 0 over the committed positions it has not seen, ``h_t`` with ``x_{t+1}``; its last
         slot pairs ``h_{C-1}`` with ``x_C`` - the last token the loop hands the draft, which the
         main model has not processed yet. The logits of that slot, or None."""
         import mlx.core as mx
 
+        self._forget_changed(state, committed)
         state.cut(0, state.synced[0])
         span = self.capture.span(state.synced[0], committed, self.hidden)
         if span is None:  # hidden states not recorded (e.g. prefilled elsewhere)
@@ -505,6 +555,7 @@ class MTPDraft:
                 state.round_of = None
                 return None
         first = state.synced[0]
+        state.reached = state.step if state.round_of is not None else 0
         state.round_of, state.step, state.drafts = committed, 0, []
         state.first_input = inputs[:, -1:]
         h, x_following = span
@@ -512,9 +563,31 @@ class MTPDraft:
         logits, out, z = _mtp_pass(self.main, h, x_next.astype(mx.uint32), state.kvs[0], self.fusion, 0)
         state.synced[0] = committed
         if self.depths > 1 and self.chained:
-            state.keep_outputs(0, first, z, state.synced[1])
+            state.keep_outputs(0, first, z)
         state.recycled = out[:, -1:]
         return logits
+
+    def _forget_changed(self, state, committed):
+        """Each layer keeps only the slots still true: those whose tokens come before the first
+        position a main pass since the last round changed (a prompt cache trimmed back and
+        extended otherwise; a verify pass writes over rejected drafts from the last round's C on,
+        where only x_C was taken, from the loop), and before ``C - depth``."""
+        changed = self.capture.changed_since(state.seen)
+        state.seen = self.capture.count
+        last = state.round_of  # the previous round's C: its x_C was the loop's, not yet recorded then
+        if last is not None and changed >= last:
+            now = self.capture.tokens(last, last + 1) if changed == last else None
+            if now is None or now[0, 0].item() == state.first_input[0, 0].item():
+                changed = 1 << 62  # no token the layers' kept slots took (all at or before it) changed
+        # the slot of position i took the token at i+depth+1
+        keeps = [min(state.synced[d], changed - d - 1, committed - d) for d in range(self.depths)]
+        if self.chained and changed < 1 << 62:  # each layer recomputes what the next one takes again
+            keeps = [min(keeps)] * self.depths
+        for depth, keep in enumerate(keeps):
+            if keep < state.base[depth]:
+                state.restart(depth, max(keep, 0))
+            else:
+                state.synced[depth] = keep
 
     def _deeper_step(self, state, committed, depth):
         """Layer ``depth`` over the positions from its first slot without true inputs to C-1: the
@@ -536,7 +609,7 @@ class MTPDraft:
         logits, out, z = _mtp_pass(self.main, source, ids, state.kvs[depth], self.fusion, depth)
         state.synced[depth] = max(first, committed - depth)
         if self.chained and depth + 1 < self.depths:
-            state.keep_outputs(depth, first, z, state.synced[depth + 1])
+            state.keep_outputs(depth, first, z)
         state.recycled = out[:, -1:]
         return logits
 
@@ -570,9 +643,9 @@ def add_interface(model, track=None) -> None:
     the capture the draft installs later."""
     ref = weakref.ref(model)
     model.__dict__["make_draft_model"] = lambda hidden=None, fusion=None: MTPDraft(ref(), hidden, fusion)
-    model.__dict__["mtp_forward"] = lambda hidden, next_ids, cache, fusion=None: mtp_forward(
-        ref(), hidden, next_ids, cache, fusion)
-    model.__dict__["make_mtp_cache"] = lambda: make_mtp_cache(ref())
+    model.__dict__["mtp_forward"] = lambda hidden, next_ids, cache, fusion=None, depth=0: mtp_forward(
+        ref(), hidden, next_ids, cache, fusion, depth)
+    model.__dict__["make_mtp_cache"] = lambda depth=0: make_mtp_cache(ref(), depth)
     model.__dict__["hidden_states"] = lambda: hidden_states(ref())
     if track is not None:
         track(model, remove_interface, "MTP interface (and hidden-state capture) on a loaded model")

@@ -220,10 +220,12 @@ def attach(model, model_path, config, lazy=False) -> None:
     note = getattr(family_of(model), "status_note", lambda _: None)(tensors)
     model.__dict__["mtp"] = head
     depths = len(getattr(head, "depths", ())) + 1
-    if depths > 1:
+    if depths > 1:  # MiMo-V2-Flash, Step-3.5: an MTP layer per draft step
         fed = "the previous one's output" if getattr(family_of(model), "CHAINED", False) else "the model's hidden state"
-        note = (f"{note}; " if note else "") + f"{depths} MTP layers, draft step k with layer k, each fed {fed}"
-    model.__dict__["mtp_status"] = (f"MTP head kept: {len(head.layers)} layer(s)"
+        kept = f"{depths} MTP layers (draft step k with layer k, each fed {fed})"
+    else:
+        kept = f"{len(head.layers)} layer(s)"
+    model.__dict__["mtp_status"] = (f"MTP head kept: {kept}"
                                     + (f" ({note})" if note else "") + f", {len(weights)} tensors, "
                                     f"from {' and '.join(sources)}"
                                     + (f"; embedding and output head shared with the model (the checkpoint's "
