@@ -98,7 +98,7 @@ class HiddenCapture:
         self.last = None  # {"pre", "post"} hidden states of the last forward, any batch size
         self.norm = None  # weakref to the final norm whose class was swapped
         self._journal = None  # weakref to the rollback journal of the recorded passes' cache, if any
-        self._changes = []  # (pass number, first position whose token it changed), the last CHANGES passes
+        self._changes = []  # (pass number, what it wrote over: see _overwritten), the last CHANGES passes
 
     def forward_started(self):
         self._pending = []  # norm calls outside a forward of the model (e.g. its inner model's) do not count
@@ -131,7 +131,7 @@ class HiddenCapture:
             self._leaf_since = self.count
         self.count += 1
         end = start + inputs.shape[1]
-        self._changes = (self._changes + [(self.count, self._first_change(start, inputs))])[-CHANGES:]
+        self._changes = (self._changes + [(self.count, self._overwritten(start, inputs))])[-CHANGES:]
         # A new pass from `start` replaces what was recorded at or after it (trim + replay).
         kept = []
         for f in self.forwards:
@@ -146,28 +146,48 @@ class HiddenCapture:
             kept.pop(0)
         self.forwards = kept
 
-    def _first_change(self, start, inputs):
-        """The first position from ``start`` on where ``inputs`` differ from the recorded tokens
-        (a verify pass re-running accepted tokens changes none; one over rejected drafts, or a
-        prompt cache trimmed back and extended otherwise, does)."""
-        new, position = inputs[0].tolist(), start
+    def _overwritten(self, start, inputs):
+        """What a pass from ``start`` writes over: ``[start, recorded tokens there (contiguous from
+        start, or None), its own tokens, None]`` - compared only when the draft asks
+        (``changed_since``), so that a forward pass never waits on its inputs."""
+        import mlx.core as mx
+
+        parts, covered = [], start
         for f in self.forwards:
-            lo, hi = max(position, f.start), min(start + len(new), f.start + f.tokens.shape[1])
-            if lo != position or lo >= hi:
+            lo, hi = max(covered, f.start), f.start + f.tokens.shape[1]
+            if lo != covered or lo >= hi:
                 continue
-            old = f.tokens[0, lo - f.start:hi - f.start].tolist()
-            same = next((i for i, (a, b) in enumerate(zip(old, new[lo - start:hi - start])) if a != b), len(old))
-            position = lo + same
-            if same < len(old):
-                return position
-        return position
+            parts.append(f.tokens[0, lo - f.start:])
+            covered = hi
+        old = (mx.concatenate(parts) if len(parts) > 1 else parts[0]) if parts else None
+        return [start, old, inputs[0], None]
+
+    @staticmethod
+    def _first_change(entry):
+        """The first position from the pass's start where its tokens differ from those it wrote
+        over (a verify pass re-running accepted tokens changes none; one over rejected drafts,
+        or a prompt cache trimmed back and extended otherwise, does); past the compared ones if
+        none differ."""
+        import mlx.core as mx
+
+        start, old, new, found = entry
+        if found is None:
+            n = 0 if old is None else min(old.shape[0], new.shape[0])
+            same = n
+            if n:
+                differs = (old[:n] != new[:n]).astype(mx.int32)
+                if differs.max().item():
+                    same = int(mx.argmax(differs).item())
+            entry[3] = found = start + same
+            entry[1] = entry[2] = None  # (resolved: the tokens are no longer needed)
+        return found
 
     def changed_since(self, count) -> int:
         """The first position whose token a pass after pass number ``count`` changed (0 if those
         passes are no longer all known; a large number if none changed any)."""
         if count < self.count - len(self._changes):
             return 0
-        return min((at for n, at in self._changes if n > count), default=1 << 62)
+        return min((self._first_change(entry) for n, entry in self._changes if n > count), default=1 << 62)
 
     def committed(self, since=0) -> Optional[int]:
         """How many positions the main model has committed now (after any trim), if its cache
