@@ -200,62 +200,98 @@ def test_each_draft_step_uses_its_own_mtp_layer(loaded, family, hinted):
     assert steps_seen == set(range(depths)), [len(d) for _, d, _ in calls]
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.family_sweep(MTP_MODEL_TYPES)
-def test_the_draft_follows_a_prompt_cache_trimmed_back(loaded, family):
-    """A prompt cache (the main model's and the draft's) trimmed back into the prompt and
-    extended with other tokens - what mlx_lm.server does reusing a cached prefix: every MTP
-    layer keeps only the slots before the first changed token, so each proposal of the next
-    request equals the layer's cold pass over its own sequence, and the output is greedy's."""
+def _continued(model, family, first_max, second, trim=None, depths=None):
+    """Generate from ``first`` (15 prompt tokens, ``first_max`` new ones) with the MTP draft on a
+    prompt cache, optionally trim the cache back to ``trim`` tokens, then continue it with
+    ``second(round_of)`` (tokens; ``round_of``: the draft's last round's C) for 12 more. The
+    second run's output must be greedy's over its sequence, and each of its layer proposals the
+    layer's cold pass (``_check_layer_proposals``); returns the draft steps checked."""
     import mlx.core as mx
     from mlx_lm.generate import speculative_generate_step
     from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
     from mlx_lm_patches.mechanisms.mtp.decoding import depths_of
 
-    model = loaded[family][0]
-    if not can_trim_prompt_cache(make_prompt_cache(model)):
+    if trim is not None and not can_trim_prompt_cache(make_prompt_cache(model)):
         pytest.skip(f"{family}'s cache cannot be trimmed back (a hybrid: the server reuses its snapshots)")
     depths, calls = depths_of(model), []
-    first, second = prompt_tokens(15, seed=9), prompt_tokens(6, seed=31)
-    reference = greedy_of(model, first[:8] + second, max_tokens=12)  # (before: it runs the model elsewhere)
+    first = prompt_tokens(15, seed=9)
     draft = _recording(model, calls)
     cache = make_prompt_cache(model) + draft.make_cache()
-    held = len(first) + len(list(speculative_generate_step(mx.array(first), model, draft, prompt_cache=cache,
-                                                           num_draft_tokens=depths + 1, max_tokens=12)))
-    assert trim_prompt_cache(cache[:-1], held - 8) == held - 8  # back to the first 8 prompt tokens
+    generated = [int(t) for t, _, _ in speculative_generate_step(
+        mx.array(first), model, draft, prompt_cache=cache, num_draft_tokens=depths + 1, max_tokens=first_max)]
+    held = first + generated
+    if trim is not None:
+        assert trim_prompt_cache(cache[:-1], len(held) - trim) == len(held) - trim
+        held = held[:trim]
+    tokens = second(cache[-1].round_of)
     calls.clear()
-    steps = list(speculative_generate_step(mx.array(second), model, draft, prompt_cache=cache,
+    steps = list(speculative_generate_step(mx.array(tokens), model, draft, prompt_cache=cache,
                                            num_draft_tokens=depths + 1, max_tokens=12))
+    # (the reference runs the model on caches of its own, which the draft would follow: after)
+    reference = greedy_of(model, held + tokens, max_tokens=12)
     assert [int(t) for t, _, _ in steps] == reference.tokens
-    steps_seen = _check_layer_proposals(model, first[:8] + second + reference.tokens, calls, depths)
-    assert steps_seen == set(range(depths)), [len(d) for _, d, _ in calls]
+    return _check_layer_proposals(model, held + tokens + reference.tokens, calls, depths)
+
+
+@pytest.mark.parametrize("suffix", ["1", "2", "6", "to-the-last-round"])
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.family_sweep(MTP_MODEL_TYPES)
+def test_the_draft_follows_a_prompt_cache_trimmed_back(loaded, family, suffix):
+    """A prompt cache (the main model's and the draft's) trimmed back into the prompt and
+    extended with other tokens - one, two (no main pass before the draft's first round), six,
+    or as many as bring the main model back to the previous generation's last round: every MTP
+    layer keeps only the slots whose tokens are still the sequence's, so each proposal of the
+    next request equals the layer's cold pass over its own sequence; output greedy's."""
+    from mlx_lm_patches.mechanisms.mtp.decoding import depths_of
+
+    model = loaded[family][0]
+    other = prompt_tokens(40, seed=31)
+
+    def second(round_of):  # the tokens after the first 8
+        return other[:round_of - 8 + 1] if suffix == "to-the-last-round" else other[:int(suffix)]
+
+    steps_seen = _continued(model, family, 12, second, trim=8)
+    assert steps_seen == set(range(depths_of(model))), steps_seen
+
+
+@pytest.mark.parametrize("family", LAYERED)
+def test_a_layered_draft_keeps_its_layers_through_a_continued_conversation(loaded, family):
+    """A generation cut by max_tokens (its last rounds draft fewer tokens than the head has layers)
+    continued on the same prompt cache: no layer starts again - each proposal of the
+    continuation equals the layer's cold pass over the whole conversation; output greedy's."""
+    from mlx_lm_patches.mechanisms.mtp.decoding import depths_of
+
+    model = loaded[family][0]
+    for first_max in (10, 11, 13):
+        steps_seen = _continued(model, family, first_max, lambda _: prompt_tokens(3, seed=41))
+        assert steps_seen == set(range(depths_of(model))), (first_max, steps_seen)
 
 
 @pytest.mark.parametrize("family", LAYERED)
 def test_a_layered_draft_drafting_fewer_tokens_than_layers_holds_little(loaded, family):
     """Fewer draft tokens per round than MTP layers (mlx-lm's default of 2 for Step-3.5's three):
-    the layers that never draft hold nothing, and the outputs kept for the next layer stay a
-    round's worth, however long the generation; output greedy."""
+    the layers that never draft hold nothing, and the outputs kept for the next layer stay
+    bounded (``OUTPUTS_KEPT`` and a round), however long the generation; output greedy."""
     import mlx.core as mx
     from mlx_lm.generate import speculative_generate_step
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlx_lm_patches.mechanisms.mtp.decoding import depths_of
+    from mlx_lm_patches.mechanisms.mtp.decoding import OUTPUTS_KEPT, depths_of
     from support.mtp_drafts import hinted_draft
 
     model = loaded[family][0]
     depths = depths_of(model)
     prompt = prompt_tokens(15, seed=9)
-    reference = greedy_of(model, prompt, max_tokens=40)
+    reference = greedy_of(model, prompt, max_tokens=120)
     draft = hinted_draft(model, prompt + reference.tokens)
     cache = make_prompt_cache(model) + draft.make_cache()
     steps = list(speculative_generate_step(mx.array(prompt), model, draft, prompt_cache=cache,
-                                           num_draft_tokens=depths - 1, max_tokens=40))
+                                           num_draft_tokens=depths - 1, max_tokens=120))
     assert [int(t) for t, _, _ in steps] == reference.tokens
     state = cache[-1]
     held = [0 if kept is None else kept[1].shape[1] for kept in state.outs]
-    assert max(held) <= depths + 1, held
+    assert max(held) <= OUTPUTS_KEPT + depths, held
     assert all(c.offset == 0 for c in state.kvs[-1]), "the last layer never drafted"
 
 

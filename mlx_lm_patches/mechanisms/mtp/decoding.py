@@ -58,6 +58,7 @@ HIDDEN_KINDS = ("post", "pre")
 FUSION_ORDERS = ("embedding-first", "hidden-first")  # order of the two halves fed to ``fc``
 KEEP_POSITIONS = 8192  # captured hidden states kept at most (positions), per model
 CHANGES = 256  # forward passes whose changed positions are remembered
+OUTPUTS_KEPT = 64  # positions of an MTP layer's outputs kept for the next layer of a chained head
 
 
 class MTPUnavailable(RuntimeError):
@@ -415,7 +416,6 @@ class MTPDraftCache:
         self.kvs = kvs  # per depth: the caches of its attention layers
         self.since = since  # main forward passes before this sequence started
         self.seen = since  # main forward passes before the current round started
-        self.reached = 0  # the deepest draft step of the previous round
         self.base = [0] * len(kvs)  # per depth: the position of its caches' first slot
         self.synced = [0] * len(kvs)  # per depth: positions before this one computed from true inputs
         self.outs = [None] * len(kvs)  # per depth: (first position, outputs before its final norm)
@@ -466,12 +466,13 @@ class MTPDraftCache:
 
     def keep_outputs(self, depth, first, z):
         """Record depth ``depth``'s outputs ``z`` from position ``first`` on, with those of earlier
-        true positions the next depth has not taken yet, if it drafted in the previous round
-        (else it starts again when it next drafts: what is held stays bounded)."""
+        true positions the next depth has not taken yet - at most ``OUTPUTS_KEPT`` of them (a
+        next depth further behind, one that has not drafted for a while, starts again when it
+        next drafts: what is held stays bounded)."""
         import mlx.core as mx
 
         old, need = self.outs[depth], self.synced[depth + 1]
-        if depth + 1 <= self.reached and old is not None and old[0] <= need < first \
+        if old is not None and old[0] <= need < first and first - need <= OUTPUTS_KEPT \
                 and old[0] + old[1].shape[1] >= first:
             z = mx.concatenate([old[1][:, need - old[0]:first - old[0]], z], axis=1)
             first = need
@@ -527,7 +528,8 @@ class MTPDraft:
         if not self._ends_at(inputs, committed):  # a prompt the main model has not run yet: not a
             state.skipped = committed             # round (nor the calls on tokens sampled from this)
             return placeholder
-        if state.round_of != committed or state.recycled is None:  # the main model moved: a new round
+        # the main model moved (a round never has a main pass inside): a new round
+        if state.round_of != committed or state.recycled is None or self.capture.count != state.seen:
             logits = self._first_step(state, committed, inputs)
             if logits is None:  # nothing to draft from: proposals the main model rejects
                 return placeholder
@@ -575,8 +577,7 @@ class MTPDraft:
                 state.round_of = None
                 return None
         first = state.synced[0]
-        state.reached = state.step if state.round_of is not None else 0
-        state.round_of, state.step, state.drafts = committed, 0, []
+        state.round_of, state.step, state.drafts, state.skipped = committed, 0, [], None
         state.first_input = inputs[:, -1:]
         h, x_following = span
         x_next = mx.concatenate([x_following, inputs[:, -1:].astype(x_following.dtype)], axis=1)
@@ -596,13 +597,14 @@ class MTPDraft:
         state.seen = self.capture.count
         last = state.round_of  # the previous round's C: its x_C was the loop's, not yet recorded then
         if last is not None and changed >= last:
-            now = self.capture.tokens(last, last + 1) if changed == last else None
-            if now is None or now[0, 0].item() == state.first_input[0, 0].item():
-                changed = 1 << 62  # no token the layers' kept slots took (all at or before it) changed
-        # the slot of position i took the token at i+depth+1
-        keeps = [min(state.synced[d], changed - d - 1, committed - d) for d in range(self.depths)]
-        if self.chained and changed < 1 << 62:  # each layer recomputes what the next one takes again
-            keeps = [min(keeps)] * self.depths
+            now = self.capture.tokens(last, last + 1)
+            same = now is not None and now[0, 0].item() == state.first_input[0, 0].item()
+            # the kept slots took tokens up to `last`: unchanged before `changed`, and at `last` x_C
+            changed = 1 << 62 if same else last
+        # the slot of position i took the token at i+depth+1 (at most C-1: x_C is this round's)
+        keeps = [min(state.synced[d], changed - d - 1, committed - d - 1) for d in range(self.depths)]
+        if self.chained and any(k < s for k, s in zip(keeps, state.synced)):
+            keeps = [min(keeps)] * self.depths  # each layer recomputes what the next one takes again
         for depth, keep in enumerate(keeps):
             if keep < state.base[depth]:
                 state.restart(depth, max(keep, 0))
