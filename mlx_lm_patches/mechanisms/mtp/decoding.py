@@ -151,17 +151,8 @@ class HiddenCapture:
         """What a pass from ``start`` writes over: ``[start, recorded tokens there (contiguous from
         start, or None), its own tokens, None]`` - compared only when the draft asks
         (``changed_since``), so that a forward pass never waits on its inputs."""
-        import mlx.core as mx
-
-        parts, covered = [], start
-        for f in self.forwards:
-            lo, hi = max(covered, f.start), f.start + f.tokens.shape[1]
-            if lo != covered or lo >= hi:
-                continue
-            parts.append(f.tokens[0, lo - f.start:])
-            covered = hi
-        old = (mx.concatenate(parts) if len(parts) > 1 else parts[0]) if parts else None
-        return [start, old, inputs[0], None]
+        pieces, _ = self._pieces(start, 1 << 62)
+        return [start, _joined([f.tokens[0, lo - f.start:hi - f.start] for f, lo, hi in pieces], 0), inputs[0], None]
 
     @staticmethod
     def _first_change(entry):
@@ -203,43 +194,48 @@ class HiddenCapture:
         pending = journal.position - journal.pos if journal is not None else 0
         return leaf.offset + pending
 
+    def _pieces(self, first, last):
+        """``(record, lo, hi)`` covering positions ``first..`` without a gap, up to ``last`` (less
+        if a position is not recorded). The records are in position order; those a pass asks
+        about are the last few, so the search starts from the end."""
+        i = len(self.forwards)
+        while i > 0 and self.forwards[i - 1].start > first:
+            i -= 1
+        pieces, covered = [], first
+        for f in self.forwards[max(i - 1, 0):]:
+            lo, hi = max(covered, f.start), min(last, f.start + f.tokens.shape[1])
+            if lo != covered or lo >= hi:
+                if lo > covered:
+                    break
+                continue
+            pieces.append((f, lo, hi))
+            covered = hi
+        return pieces, covered
+
     def span(self, first, last, kind):
         """Hidden states at positions ``first..last-1`` and the token ids at ``first+1..last-1``
         (``(h [1,n,H], x [1,n-1])``), or ``None`` if not all are recorded."""
-        import mlx.core as mx
 
-        if last <= first:
+        pieces, covered = self._pieces(first, last)
+        if last <= first or covered != last:
             return None
-        hidden, tokens = [], []
-        for f in self.forwards:
-            lo, hi = max(first, f.start), min(last, f.start + f.tokens.shape[1])
-            if lo >= hi:
-                continue
-            hidden.append((f.pre if kind == "pre" else f.post)[:, lo - f.start:hi - f.start])
-            tokens.append(f.tokens[:, lo - f.start:hi - f.start])
-        if not hidden:
-            return None
-        h = mx.concatenate(hidden, axis=1) if len(hidden) > 1 else hidden[0]
-        x = mx.concatenate(tokens, axis=1) if len(tokens) > 1 else tokens[0]
-        if h.shape[1] != last - first:
-            return None
-        return h, x[:, 1:]
-
+        hidden = _joined([(f.pre if kind == "pre" else f.post)[:, lo - f.start:hi - f.start] for f, lo, hi in pieces])
+        return hidden, _joined([f.tokens[:, lo - f.start:hi - f.start] for f, lo, hi in pieces])[:, 1:]
 
     def tokens(self, first, last):
         """Token ids at positions ``first..last-1`` (``[1, n]``), or ``None`` if not all are recorded."""
-        import mlx.core as mx
 
-        parts, covered = [], first
-        for f in self.forwards:
-            lo, hi = max(covered, f.start), min(last, f.start + f.tokens.shape[1])
-            if lo != covered or lo >= hi:
-                continue
-            parts.append(f.tokens[:, lo - f.start:hi - f.start])
-            covered = hi
-        if covered != last or not parts:
+        pieces, covered = self._pieces(first, last)
+        if covered != last or not pieces:
             return None
-        return mx.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
+        return _joined([f.tokens[:, lo - f.start:hi - f.start] for f, lo, hi in pieces])
+
+
+def _joined(parts, axis=1):
+    """``parts`` concatenated along ``axis`` (the one part itself; None for none)."""
+    import mlx.core as mx
+
+    return mx.concatenate(parts, axis=axis) if len(parts) > 1 else (parts[0] if parts else None)
 
 
 def _journal_of(cache):
