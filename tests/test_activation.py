@@ -132,11 +132,54 @@ def test_env_off_leaves_mlx_lm_untouched(value):
     assert ran.stdout.split() == ["False", "False", "0"]
 
 
-def test_env_malformed_enabled_says_so_and_import_works():
+def test_env_malformed_enabled_says_so_once_and_import_works():
     ran = run_python("import mlx_lm.models.cache", env={"MLX_LM_PATCHES": "maybe"})
     assert ran.returncode == 0
-    assert "MLX_LM_PATCHES='maybe' is not understood" in ran.stderr
+    assert ran.stderr.count("MLX_LM_PATCHES='maybe' is not understood") == 1, ran.stderr
     assert ran.stdout == ""
+
+
+def test_env_malformed_settings_are_one_line_each_and_the_defaults_used():
+    """Automatic activation: a typo in any variable is one line on stderr naming it and the
+    accepted values; the program runs with the default, also where a patch reads it later."""
+    malformed = ["MLX_LM_PATCHES_STRICT", "MLX_LM_PATCHES_DEBUG", "MLX_LM_PATCHES_ROLLBACK_SNAPSHOTS",
+                 "MLX_LM_PATCHES_PREFIX_CHECKPOINTS", "MLX_LM_PATCHES_DISABLE"]
+    ran = run_python("""
+        import sys, mlx_lm.models.cache, child
+        from mlx_lm_patches.mechanisms.journal import max_snapshots
+        from mlx_lm_patches.mechanisms.prefix_reuse.settings import max_checkpoints
+        print(max_snapshots(), max_checkpoints(), max_snapshots(), file=sys.stderr)
+        print(sorted(set(child.states().values())), file=sys.stderr)
+    """, env={**{name: "maybe!" for name in malformed}, "PYTHONPATH": TESTS})
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout == ""
+    lines = ran.stderr.splitlines()
+    for name in malformed:
+        said = [line for line in lines if f"{name}='maybe!'" in line]
+        assert len(said) == 1 and "accepted values:" in said[0] and "using the default" in said[0], lines
+    assert "32 8 32" in lines
+    assert "disabled" not in lines[-1] and "failed" not in lines[-1]  # the DISABLE typo disabled nothing
+
+
+def test_explicit_apply_raises_on_a_malformed_setting():
+    ran = run_python("""
+        import mlx_lm_patches
+        mlx_lm_patches.apply()
+    """, env={"MLX_LM_PATCHES_STRICT": "maybe", "MLX_LM_PATCHES": "0"})
+    assert ran.returncode != 0
+    assert "EnvError: MLX_LM_PATCHES_STRICT='maybe' is not understood; accepted values:" in ran.stderr
+
+
+def test_explicit_apply_only_before_import_applies_only_those():
+    """apply(only=...) called first takes the place of automatic activation."""
+    ran = run_python("""
+        import mlx_lm_patches, child
+        mlx_lm_patches.apply(only=["mamba-cache-compat"])
+        import mlx_lm, mlx_lm.generate
+        print(sorted(i for i, s in child.states().items() if s != "inactive"))
+    """, env={"PYTHONPATH": TESTS})
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.split() == ["['mamba-cache-compat']"]
 
 
 def test_env_disable_unknown_id_warns_and_others_apply():

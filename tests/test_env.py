@@ -33,3 +33,37 @@ def test_id_list(raw, expected):
 def test_id_list_malformed(raw):
     with pytest.raises(env.EnvError, match="MLX_LM_PATCHES_DISABLE"):
         env.id_list(env.DISABLE, environ={env.DISABLE: raw})
+
+
+@pytest.mark.parametrize("name", [n for n in env.VARIABLES if n != env.DISABLE])
+def test_every_variable_reads_its_default_when_unset_and_rejects_garbage(name):
+    default = env.VARIABLES[name].default
+    assert env.read(name, environ={}) == default
+    assert env.read(name, environ={name: "  "}) == default
+    with pytest.raises(env.EnvError) as info:
+        env.read(name, environ={name: "maybe"})
+    assert f"{name}='maybe'" in str(info.value)
+    assert env.VARIABLES[name].accepted in str(info.value)
+
+
+def test_setting_never_raises_and_reports_once(caplog):
+    name = env.ROLLBACK_SNAPSHOTS
+    environ = {name: "many"}
+    with caplog.at_level("WARNING", logger="mlx_lm_patches"):
+        assert [env.setting(name, environ) for _ in range(3)] == [32, 32, 32]
+        assert env.setting(name, {name: "5"}) == 5
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["mlx-lm-patches: MLX_LM_PATCHES_ROLLBACK_SNAPSHOTS='many' is not understood; "
+                     "accepted values: a positive integer; using the default (32)"]
+
+
+def test_problems_lists_every_malformed_variable_but_the_switch():
+    environ = {env.ENABLED: "maybe", env.STRICT: "maybe", env.PREFIX_CHECKPOINTS: "-1",
+               env.DEBUG: "1", env.DISABLE: "a-b"}
+    named = [str(e).split("=")[0] for e in env.problems(environ)]
+    assert named == [env.STRICT, env.PREFIX_CHECKPOINTS]
+
+
+def test_unknown_variable_name_is_a_programming_error():
+    with pytest.raises(KeyError, match="MLX_LM_PATCHES_NOPE"):
+        env.read("MLX_LM_PATCHES_NOPE")

@@ -33,12 +33,18 @@ def armed_by():
     return _armed_by
 
 
+_refused = None  # the malformed MLX_LM_PATCHES value already reported in this process
+
+
 def _enabled():
-    value = os.environ.get("MLX_LM_PATCHES", "").strip().lower()
+    global _refused
+    raw = os.environ.get("MLX_LM_PATCHES", "")
+    value = raw.strip().lower()
     if value in _ON:
         return True
-    if value in _OFF:
+    if value in _OFF or raw == _refused:  # reported once per process, not per .pth line
         return False
+    _refused = raw
     try:  # malformed: let env.py word the message, and stay off
         from mlx_lm_patches.engine import env
 

@@ -184,13 +184,7 @@ class Engine:
         return ", ".join(named)
 
     def _env_disabled(self, raise_errors: bool) -> set:
-        try:
-            listed = env.id_list(env.DISABLE)
-        except env.EnvError:
-            if raise_errors:
-                raise
-            log.error("mlx-lm-patches: %s", sys.exc_info()[1])
-            return set()
+        listed = env.read(env.DISABLE) if raise_errors else env.setting(env.DISABLE)
         if listed is None:
             return set()
         if listed == "*":
@@ -436,10 +430,7 @@ def missing_target(spec: matrix.PatchSpec) -> Optional[str]:
 
 
 def _strict() -> bool:
-    try:
-        return env.flag(env.STRICT)
-    except env.EnvError:
-        return False
+    return env.setting(env.STRICT)
 
 
 _engine: Optional[Engine] = None
@@ -456,12 +447,7 @@ def get() -> Engine:
 
 
 def _configure_logging() -> None:
-    try:
-        debug = env.flag(env.DEBUG)
-    except env.EnvError as exc:
-        log.warning("mlx-lm-patches: %s", exc)
-        debug = False
-    if debug and not any(getattr(h, "_mlx_lm_patches", False) for h in log.handlers):
+    if env.setting(env.DEBUG) and not any(getattr(h, "_mlx_lm_patches", False) for h in log.handlers):
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("%(message)s"))
         handler._mlx_lm_patches = True
@@ -473,8 +459,13 @@ def auto_activate(source: str, late: bool) -> None:
     """Called by the bootstrap when ``mlx_lm`` is first looked up (or at once if already imported)."""
     eng = get()
     with eng.lock:
+        if eng.activation == "explicit":
+            log.debug("mlx-lm-patches: automatic activation via %s skipped: apply() was called "
+                      "first and decides what applies", source)
+            return
         if eng.activation is None:
             eng.activation = source
+    env.report()
     if late:
         log.warning(
             "mlx-lm-patches: mlx_lm was imported before activation (%s); patches apply now, "
@@ -490,7 +481,14 @@ def apply(only=None, exclude=None) -> List[PatchStatus]:
     """Apply every patch whose version range includes the installed mlx-lm and whose probe
     confirms the bug (``only``/``exclude``: patch ids). Idempotent. Imports the modules the
     patches anchor on (so mlx-lm gets imported). Raises :class:`PatchError` if a patch fails,
-    ``ValueError`` for unknown ids or malformed environment variables."""
+    ``ValueError`` for unknown ids or malformed environment variables.
+
+    Called before ``mlx_lm`` is imported, it takes the place of automatic activation: what it
+    names is all that applies (``only=["x"]``: just ``x``). Called after, it adds to what
+    automatic activation applied (``revert(ids)`` takes patches out)."""
+    problems = env.problems()
+    if problems:
+        raise env.EnvError("; ".join(map(str, problems)))
     eng = get()
     late = "mlx_lm" in sys.modules
     with eng.lock:

@@ -48,7 +48,6 @@ from mlx_lm_patches.engine.env import ROLLBACK_SNAPSHOTS as SNAPSHOTS_ENV
 from mlx_lm_patches.mechanisms.caches import (
     arrays, arrays_cache_class, flat_caches, int_offset, kept_caches, same_objects)
 
-DEFAULT_MAX_SNAPSHOTS = 32
 
 _journals = weakref.WeakKeyDictionary()  # recurrent cache object -> its Journal
 _lock = threading.Lock()
@@ -60,9 +59,9 @@ class RollbackRefused(RuntimeError):
 
 def max_snapshots(environ=None) -> int:
     """The snapshot bound from ``MLX_LM_PATCHES_ROLLBACK_SNAPSHOTS``."""
-    from mlx_lm_patches.engine.env import ROLLBACK_SNAPSHOTS, positive_int
+    from mlx_lm_patches.engine.env import ROLLBACK_SNAPSHOTS, setting
 
-    return positive_int(ROLLBACK_SNAPSHOTS, DEFAULT_MAX_SNAPSHOTS, environ)
+    return setting(ROLLBACK_SNAPSHOTS, environ)
 
 
 def journal_of(caches) -> Optional["Journal"]:

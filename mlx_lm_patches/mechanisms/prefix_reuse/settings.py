@@ -1,15 +1,14 @@
 """When prefix checkpoints are kept: the per-sequence bound and whether prompt-cache stores exist."""
 
 
-DEFAULT_MAX_CHECKPOINTS = 8
 _lru_seen = False  # an LRUPromptCache was created in this process
 
 
 def max_checkpoints(environ=None) -> int:
     """``MLX_LM_PATCHES_PREFIX_CHECKPOINTS``: most kept states per sequence (0 turns it off)."""
-    from mlx_lm_patches.engine.env import PREFIX_CHECKPOINTS, non_negative_int
+    from mlx_lm_patches.engine.env import PREFIX_CHECKPOINTS, setting
 
-    return non_negative_int(PREFIX_CHECKPOINTS, DEFAULT_MAX_CHECKPOINTS, environ)
+    return setting(PREFIX_CHECKPOINTS, environ)
 
 
 def note_prompt_cache_created() -> None:
