@@ -139,7 +139,13 @@ def _run(args) -> int:
         print(f"mlx-lm-patches: {exc}", file=sys.stderr)
         return 1
     if args.module:
+        from mlx_lm_patches.engine.launcher import console_main
+
         sys.argv = [args.target] + args.args
+        command = console_main(args.target)
+        if command is not None:  # the patched module itself, not a second copy of it
+            sys.argv[0] = sys.modules[args.target].__file__
+            return command()
         runpy.run_module(args.target, run_name="__main__", alter_sys=True)
     else:
         sys.argv = [args.target] + args.args

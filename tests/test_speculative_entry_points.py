@@ -63,6 +63,9 @@ def _cli(*args, form="console-script", env=None):
 
     if form == "console-script":
         command = [os.path.join(os.path.dirname(sys.executable), "mlx_lm.generate")]
+    elif form == "run -m":  # the package's own runner, with automatic activation off
+        command = [sys.executable, "-m", "mlx_lm_patches", "run", "-m", "mlx_lm.generate"]
+        env = {"MLX_LM_PATCHES": "0", **(env or {})}
     else:
         command = [sys.executable, "-m", "mlx_lm.generate"]
     proc = subprocess.run([*command, "--prompt", PROMPT, "--max-tokens", "14", "--verbose", "False", *args],
@@ -86,6 +89,15 @@ def cli_reference(folders):
 def test_generate_cli_with_draft_model(folders, cli_reference, draft, form):
     got = _cli("--model", str(folders["main"]), "--draft-model", str(folders[draft]),
                "--num-draft-tokens", "3", form=form)
+    assert got == cli_reference
+
+
+@pytest.mark.subprocess
+def test_run_dash_m_with_draft_model(folders, cli_reference):
+    """``python -m mlx_lm_patches run -m mlx_lm.generate`` runs the patched module's ``main()``
+    (``runpy`` would run a second, unpatched copy: "requires a trimmable prompt cache")."""
+    got = _cli("--model", str(folders["main"]), "--draft-model", str(folders["hybrid-draft"]),
+               "--num-draft-tokens", "3", form="run -m")
     assert got == cli_reference
 
 

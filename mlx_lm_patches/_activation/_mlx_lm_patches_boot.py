@@ -130,14 +130,13 @@ def _run_as_console_script(name):
         unhook()
         if mod_name != name:
             return stock(mod_name, alter_argv)
-        import importlib
+        from mlx_lm_patches.engine.launcher import console_main
 
-        module = importlib.import_module(mod_name)
-        main = getattr(module, "main", None)
-        if not callable(main):
+        main = console_main(mod_name)
+        if main is None:
             return stock(mod_name, alter_argv)
         if alter_argv:
-            sys.argv[0] = module.__file__
+            sys.argv[0] = sys.modules[mod_name].__file__
         sys.exit(main())
 
     setattr(_run_module_as_main, _TAG, _HOOK)

@@ -27,6 +27,21 @@ def environment(base=None) -> dict:
     return environ
 
 
+def console_main(name):
+    """The ``main`` of mlx-lm's command module ``name`` (``mlx_lm.generate``, ``mlx_lm.server``,
+    ...) imported the usual way, or ``None`` for any other module.
+
+    ``python -m mlx_lm.generate`` (and ``runpy``) would execute a *second* copy of the module as
+    ``__main__``, beside the ``mlx_lm.generate`` that the patches fix: the copy runs unpatched.
+    mlx-lm's console scripts call ``main()`` of the imported module; so do we."""
+    if not (name.startswith("mlx_lm.") and name.count(".") == 1):
+        return None
+    import importlib
+
+    main = getattr(importlib.import_module(name), "main", None)
+    return main if callable(main) else None
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
