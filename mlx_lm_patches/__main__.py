@@ -1,6 +1,6 @@
 """Command line: ``python -m mlx_lm_patches {status,check,run,table}``.
 
-* ``status [--json]`` – versions, activation path, the gate rule (``version range + probe`` for a
+* ``status [--json|-v]`` – a summary line (patches by state), versions, activation path, the gate rule (``version range + probe`` for a
   published release, ``probe only`` for a git/local/editable install or a dev/pre-release
   version), warnings (mlx-lm not a release, or newer than the newest tested release) and one row
   per patch, read from the live objects after importing ``mlx_lm`` the way a user would. Exit 1
@@ -42,23 +42,45 @@ def _status(args) -> int:
     if args.json:
         print(json.dumps(info, indent=2))
     else:
-        others = "".join(f", {name} {version}" for name, version in info["packages"].items())
-        print(f"mlx-lm-patches {info['mlx_lm_patches']}: mlx-lm {info['mlx_lm']}, mlx {info['mlx']}{others}")
-        print(f"activation: {info['activation']}")
-        print(f"gate: {info['gate']['text']}")
-        for warning in info["warnings"]:
-            print(f"warning: {warning}")
-        print(f"matrix: {info['matrix']}")
-        width = max((len(r.id) for r in rows), default=2)
-        for r in rows:
-            about = "" if r.package == "mlx-lm" else f"{r.package} "
-            print(f"  {r.id:<{width}}  {r.state:<15}  affected {about}{r.affected}")
-            print(f"  {'':<{width}}  {r.summary}")
-            if r.detail:
-                print(f"  {'':<{width}}  -> {r.detail}")
-            if r.metal:
-                print(f"  {'':<{width}}  Metal: {r.metal}")
+        print(format_status(info, rows, verbose=args.verbose))
     return 1 if any(r.state == "failed" for r in rows) else 0
+
+
+WIDTH = 100  # columns of the text report
+
+
+def format_status(info, rows, verbose=False) -> str:
+    """``status`` as text, no line wider than :data:`WIDTH`: one summary line, the versions and
+    the activation, then a line per patch (id, state, affected range) with why, wrapped;
+    ``verbose`` adds what each patch fixes and its Metal note."""
+    import textwrap
+
+    states = {}
+    for r in rows:
+        states[r.state] = states.get(r.state, 0) + 1
+    order = ["applied", "failed", "pending", "skipped:version", "skipped:probe", "disabled", "reverted", "inactive"]
+    counts = ", ".join(f"{states[s]} {s}" for s in order + sorted(set(states) - set(order)) if s in states)
+    others = "".join(f", {name} {version}" for name, version in info["packages"].items())
+    lines = [f"mlx-lm-patches {info['mlx_lm_patches']}: {counts}",
+             f"versions: mlx-lm {info['mlx_lm']}, mlx {info['mlx']}{others}",
+             f"activation: {info['activation']}",
+             f"gate: {info['gate']['text']}",
+             *(f"warning: {warning}" for warning in info["warnings"]),
+             f"matrix: {info['matrix']}"]
+    lines = [wrapped for line in lines for wrapped in textwrap.wrap(line, WIDTH, subsequent_indent="  ")]
+    width = max((len(r.id) for r in rows), default=2)
+    more = dict(width=WIDTH, initial_indent="      ", subsequent_indent="      ")
+    for r in rows:
+        about = "" if r.package == "mlx-lm" else f"{r.package} "
+        lines += textwrap.wrap(f"  {r.id:<{width}}  {r.state:<15}  affected {about}{r.affected}", WIDTH,
+                               subsequent_indent=" " * (width + 21))
+        if verbose:
+            lines += textwrap.wrap(r.summary, **more)
+        if r.detail:
+            lines += textwrap.wrap(f"-> {r.detail}", **more)
+        if verbose and r.metal:
+            lines += textwrap.wrap(f"Metal: {r.metal}", **more)
+    return "\n".join(lines)
 
 
 def armed_by():
@@ -158,6 +180,7 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("status", help="installed versions, activation and per-patch state")
     p.add_argument("--json", action="store_true")
+    p.add_argument("-v", "--verbose", action="store_true", help="also what each patch fixes, and Metal notes")
     p.set_defaults(func=_status)
     p = sub.add_parser("check", help="demonstrate every applicable fix on tiny models")
     p.add_argument("ids", nargs="*", help="patch ids (default: all)")

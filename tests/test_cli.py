@@ -44,6 +44,23 @@ def test_status_text_and_disabled_activation():
     assert "mamba-cache-compat" in ran.stdout and "inactive" in ran.stdout
 
 
+@pytest.mark.release_only
+def test_status_text_is_a_summary_line_then_rows_within_100_columns(the_matrix):
+    ran = run_python(None, "-m", "mlx_lm_patches", "status")
+    verbose = run_python(None, "-m", "mlx_lm_patches", "status", "--verbose")
+    assert ran.returncode == 0 and verbose.returncode == 0, ran.stderr + verbose.stderr
+    for out in (ran.stdout, verbose.stdout):
+        assert max(map(len, out.splitlines())) <= 100, max(out.splitlines(), key=len)
+    first = ran.stdout.splitlines()[0]
+    counted = dict((state, int(n)) for n, state in re.findall(r"(\d+) ([a-z:]+)", first.partition(": ")[2]))
+    assert first.startswith("mlx-lm-patches ") and sum(counted.values()) == len(the_matrix.ids()), first
+    rows = [line.split()[:2] for line in ran.stdout.splitlines() if line.split()[:1] and line.split()[0] in the_matrix.ids()]
+    assert len(rows) == len(the_matrix.ids())
+    assert {state: sum(1 for _, s in rows if s == state) for state in counted} == counted
+    for spec in the_matrix.patches:  # what each fixes: in --verbose only
+        assert spec.summary.split()[0] in verbose.stdout
+
+
 def test_status_exits_non_zero_when_a_patch_failed():
     if not affected("mamba-cache-compat"):
         pytest.skip("patch not in range here")

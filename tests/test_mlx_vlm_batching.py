@@ -505,7 +505,7 @@ def test_mlx_vlm_patches_are_decided_when_mlx_vlm_model_code_is_imported():
         else:
             assert before[pid] == after[pid] == state
     version = versions.installed("mlx-vlm").describe()
-    assert f", mlx-vlm {version}," in status.splitlines()[0] + ",", status.splitlines()[0]
+    assert f", mlx-vlm {version}," in status.splitlines()[1] + ",", status.splitlines()[1]
     line = next(x for x in status.splitlines() if x.split()[:1] == ["mlx-vlm-qwen3-5-batch-positions"])
     assert line.split()[1:3] == [ROWS["mlx-vlm-qwen3-5-batch-positions"].state, "affected"], line
     assert line.split()[3:] == ["mlx-vlm", ROWS["mlx-vlm-qwen3-5-batch-positions"].affected], line

@@ -385,3 +385,25 @@ def test_generate_cli_draft_model_mtp(loaded):
     reference = run()
     assert reference.strip()
     assert run("--draft-model", "mtp", "--num-draft-tokens", "2") == reference
+
+
+@pytest.mark.subprocess
+def test_generate_cli_draft_model_mtp_without_a_head_is_one_line(tmp_path):
+    """``--draft-model mtp`` on a checkpoint without a head: one line on stderr that says why
+    and how to get one, exit status 1, no traceback."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import clean_env
+
+    full = write_mtp_checkpoint(tmp_path, "qwen3_next", name="full")
+    written = write_mtp_checkpoint(tmp_path, "qwen3_next", name="no-head", drop=[f"mtp.{k}" for k in full.head])
+    script = os.path.join(os.path.dirname(sys.executable), "mlx_lm.generate")
+    proc = subprocess.run([script, "--model", str(written.folder), "--prompt", "hi", "--max-tokens", "4",
+                           "--draft-model", "mtp"], capture_output=True, text=True, timeout=300,
+                          env=clean_env(), cwd="/")
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith("mlx_lm.generate: --draft-model mtp: ")
+    assert "the checkpoint has no mtp.* tensors" in proc.stderr and "load a checkpoint that ships one" in proc.stderr

@@ -12,7 +12,8 @@ Fix
     (remembered in the patcher's memo, which ``revert()`` clears)
     (``mlx_lm.generate --model PATH --draft-model mtp``). Every other path - and a real folder
     named ``mtp`` in the working directory - loads as before. If no
-    model was loaded yet, or it has no MTP head, the error says so (``model.mtp_status``).
+    model was loaded yet, or it has no MTP head, the error says so (``model.mtp_status``) and how
+    to get one; ``mlx_lm.generate`` prints it as one line.
 
     Distributed (``mlx.launch ... mlx_lm.server --draft-model mtp``): the server refuses every
     draft model in distributed mode (``ModelProvider._load``: "not supported in distributed
@@ -64,15 +65,39 @@ SHARDED = "whether sharded_load loaded it"
 log = logging.getLogger("mlx_lm_patches")
 
 
+class NoMTPDraft(ValueError):
+    """``--draft-model mtp`` on a model without a usable MTP head; the message says why and how
+    to get one. ``mlx_lm.generate`` prints it as one line."""
+
+
+HOW_TO_GET_ONE = ("to draft with an MTP head, load a checkpoint that ships one (the Hugging Face "
+                  "original, or a conversion made with mlx-lm-patches installed, which writes "
+                  "mtp.safetensors; most published MLX conversions dropped it), or give "
+                  "--draft-model a draft model's folder")
+
+
 def _mtp_draft(model):
-    """The draft of ``model``'s own MTP head; ``ValueError`` naming why there is none."""
-    from mlx_lm_patches.mechanisms.mtp.decoding import model_label
+    """The draft of ``model``'s own MTP head; :class:`NoMTPDraft` naming why there is none."""
+    from mlx_lm_patches.mechanisms.mtp.decoding import MTPUnavailable, model_label
 
     make_draft = model.__dict__.get("make_draft_model")
     if make_draft is None:
         status = model.__dict__.get("mtp_status", "not a family whose MTP head is kept")
-        raise ValueError(f"--draft-model mtp: {model_label(model)} has no MTP interface ({status})")
-    return make_draft()
+        raise NoMTPDraft(f"--draft-model mtp: {model_label(model)} has no MTP interface ({status}); "
+                         f"{HOW_TO_GET_ONE}")
+    try:
+        return make_draft()
+    except MTPUnavailable as exc:
+        raise NoMTPDraft(f"--draft-model mtp: {exc}; {HOW_TO_GET_ONE}") from None
+
+
+def _one_line(wrapped, instance, args, kwargs):
+    """``mlx_lm.generate``'s ``main``: a refused ``--draft-model mtp`` is one line on stderr
+    (exit status 1), not a traceback."""
+    try:
+        return wrapped(*args, **kwargs)
+    except NoMTPDraft as exc:
+        raise SystemExit(f"mlx_lm.generate: {exc}") from None
 
 
 def _load_or_mtp_draft(last, wrapped, instance, args, kwargs):
@@ -174,6 +199,7 @@ def apply(p):
         return _load_or_mtp_draft(last, wrapped, instance, args, kwargs)
 
     p.wrap(f"{GENERATE}:load", load)
+    p.wrap_if_present(f"{GENERATE}:main", _one_line)
     p.wrap(f"{SERVER}:load", load)
     p.wrap_if_present(f"{SERVER}:ModelProvider._load", _distributed_load_with_mtp_draft)  # 0.31.3+
 
