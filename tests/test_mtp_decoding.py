@@ -7,6 +7,7 @@ missing heads give clear errors. Checkpoints are tiny, float32, written to disk 
 ``mlx_lm.load``, patches on."""
 
 import importlib.util
+import os
 
 import pytest
 
@@ -362,29 +363,47 @@ def test_draft_model_mtp_selects_the_head(loaded):
     assert isinstance(draft, MTPDraft) and draft.main is model and draft_tokenizer is tokenizer
 
 
-@pytest.mark.subprocess
-def test_generate_cli_draft_model_mtp(loaded):
-    """``mlx_lm.generate --model PATH --draft-model mtp``, the installed package active: the same
-    text as without a draft."""
-    import os
+# Every way in the README names: the console script, python -m, the package's runner (with
+# automatic activation off, so it alone applies), and the launcher (automatic activation itself:
+# MLX_LM_PATCHES=0 turns it off too).
+CLI_FORMS = {
+    "console-script": lambda bin_dir, python: [os.path.join(bin_dir, "mlx_lm.generate")],
+    "python -m": lambda bin_dir, python: [python, "-m", "mlx_lm.generate"],
+    "run -m": lambda bin_dir, python: [python, "-m", "mlx_lm_patches", "run", "-m", "mlx_lm.generate"],
+    "mlx-lm-patches-run": lambda bin_dir, python: [os.path.join(bin_dir, "mlx-lm-patches-run"),
+                                                   os.path.join(bin_dir, "mlx_lm.generate")],
+}
+
+
+def _generate_cli(folder, *extra, form="console-script"):
     import subprocess
     import sys
 
     from conftest import clean_env
 
-    script = os.path.join(os.path.dirname(sys.executable), "mlx_lm.generate")
-    folder = str(loaded[FAMILIES[0]][2])
+    command = CLI_FORMS[form](os.path.dirname(sys.executable), sys.executable)
+    env = clean_env(MLX_LM_PATCHES="0") if form == "run -m" else clean_env()
+    proc = subprocess.run([*command, "--model", folder, "--prompt", "the quick brown fox", "--max-tokens", "12",
+                           "--verbose", "False", *extra], capture_output=True, text=True, timeout=300,
+                          env=env, cwd="/")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
 
-    def run(*extra):
-        proc = subprocess.run([script, "--model", folder, "--prompt", "the quick brown fox", "--max-tokens", "12",
-                               "--verbose", "False", *extra], capture_output=True, text=True, timeout=300,
-                              env=clean_env(), cwd="/")
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        return proc.stdout
 
-    reference = run()
+@pytest.fixture(scope="module")
+def generate_cli_reference(loaded):
+    reference = _generate_cli(str(loaded[FAMILIES[0]][2]))
     assert reference.strip()
-    assert run("--draft-model", "mtp", "--num-draft-tokens", "2") == reference
+    return reference
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize("form", sorted(CLI_FORMS))
+def test_generate_cli_draft_model_mtp(loaded, generate_cli_reference, form):
+    """``mlx_lm.generate --model PATH --draft-model mtp``, every way in: the same text as
+    without a draft."""
+    folder = str(loaded[FAMILIES[0]][2])
+    assert _generate_cli(folder, "--draft-model", "mtp", "--num-draft-tokens", "2", form=form) == generate_cli_reference
 
 
 @pytest.mark.subprocess

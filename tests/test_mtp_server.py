@@ -34,15 +34,19 @@ DOCUMENT = " ".join(f"fact {i} is about item{i % 7}." for i in range(24))
 class Server:
     """One ``mlx_lm.server`` subprocess on a free local port; stderr goes to a file."""
 
-    def __init__(self, folder, log_path, *extra):
+    def __init__(self, folder, log_path, *extra, via_run=False):
+        """``via_run``: ``python -m mlx_lm_patches run -m mlx_lm.server`` with automatic
+        activation off (the documented way in without the ``.pth``)."""
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             self.port = probe.getsockname()[1]
         self.log_path = log_path
         self._log = open(log_path, "w")
-        script = os.path.join(os.path.dirname(sys.executable), "mlx_lm.server")
-        self.proc = subprocess.Popen([script, "--model", str(folder), "--host", "127.0.0.1", "--port", str(self.port),
-                                      *extra], stdout=self._log, stderr=subprocess.STDOUT, env=clean_env(), cwd="/")
+        command = ([sys.executable, "-m", "mlx_lm_patches", "run", "-m", "mlx_lm.server"] if via_run
+                   else [os.path.join(os.path.dirname(sys.executable), "mlx_lm.server")])
+        env = clean_env(MLX_LM_PATCHES="0") if via_run else clean_env()
+        self.proc = subprocess.Popen([*command, "--model", str(folder), "--host", "127.0.0.1", "--port", str(self.port),
+                                      *extra], stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd="/")
 
     @property
     def log(self):
@@ -149,16 +153,21 @@ def checkpoint(tmp_path_factory):
 def test_server_draft_model_mtp_answers_exactly_as_without_a_draft(checkpoint, tmp_path):
     plain = Server(checkpoint, tmp_path / "plain.log")
     mtp = Server(checkpoint, tmp_path / "mtp.log", "--draft-model", "mtp", "--num-draft-tokens", "2")
+    via_run = Server(checkpoint, tmp_path / "run.log", "--draft-model", "mtp", "--num-draft-tokens", "2", via_run=True)
     try:
         assert plain.wait_ready(), f"server exited:\n{plain.log[-3000:]}"
         chat = _stock_chat_works(plain)
         reference = _session(plain, chat)
         got = _session(mtp, chat)
+        assert via_run.wait_ready(), f"server exited:\n{via_run.log[-3000:]}"
+        got_via_run = _complete(via_run.client(), PROMPT)
     finally:
         plain.stop()
         mtp.stop()
+        via_run.stop()
     assert all(text for text, _ in reference.values()), reference
     assert got == reference, f"{got} != {reference}\n--- server log ---\n{mtp.log[-3000:]}"
+    assert got_via_run == reference["completion"], f"run -m mlx_lm.server:\n{via_run.log[-3000:]}"
 
 
 def test_server_draft_model_mtp_without_a_head_names_what_is_missing(tmp_path):
