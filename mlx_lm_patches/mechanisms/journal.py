@@ -37,7 +37,15 @@ A :class:`Journal` makes one model's cache list go back exactly:
 
 Kept states are bounded: a journal keeps what a trim of up to ``window`` tokens needs and never
 more than ``max_snapshots`` (env ``MLX_LM_PATCHES_ROLLBACK_SNAPSHOTS``). Their bytes are added to
-``ArraysCache.nbytes`` while the journal is attached.
+``ArraysCache.nbytes`` while the journal is attached. A journal that must restore each kept
+state without replay (``resync=False``: the main model) refuses a window that needs more states
+than that. A draft's journal (``resync=True``) never refuses for the bound: when it has to drop
+a kept state it keeps the oldest one (the anchor every trim within the window starts from) and
+gives the dropped state's tokens to the kept state before it, so a trim the bound leaves no state
+for goes back to an older one and re-runs more tokens - still the draft's own forward from a
+state it really had, so still what a cold prefill computes; only slower. (Where nothing exact is
+possible - a forward it did not see - a draft's trim changes nothing and reports 0, as stock
+mlx-lm does for a draft: the main model verifies every token.)
 """
 
 import threading
@@ -134,13 +142,14 @@ class Journal:
     """
 
     def __init__(self, model, caches, window: int, strict: bool = False, limit: Optional[int] = None,
-                 fuse: bool = False):
+                 fuse: bool = False, resync: bool = False):
         self.model = model
-        self.window = max(int(window), 1)
+        self.window = max(int(window), 0)
         self.strict = strict
         self.fuse = fuse  # re-run trimmed-over tokens with the next pass instead of at once
+        self.resync = resync  # a draft's: over the bound, merge kept states rather than refuse
         self.limit = limit or max_snapshots()
-        if self.window + 1 > self.limit:
+        if not resync and self.window + 1 > self.limit:
             raise RollbackRefused(
                 f"exact rollback of up to {self.window} tokens keeps up to {self.window + 1} "
                 f"recurrent states, more than {SNAPSHOTS_ENV}={self.limit}; raise that setting "
@@ -201,6 +210,8 @@ class Journal:
             self._after = None
             return out
         if not self._consistent(cache):
+            if self._pending is not None and self.resync:
+                self._pending = None  # a draft left ahead, as stock leaves it (see the docstring)
             if self._pending is not None:
                 raise RollbackRefused("the caches changed outside the journal before the tokens a "
                                       "rollback went back over were re-run; they cannot be re-run now")
@@ -229,8 +240,29 @@ class Journal:
                 first = i
         del self._snapshots[:first]
         excess = len(self._snapshots) - self.limit
-        if excess > 0:
+        if excess > 0 and not self.resync:
             del self._snapshots[:excess]
+        for _ in range(max(excess, 0) if self.resync else 0):
+            self._merge_away()
+
+    def _merge_away(self):
+        """Drop one kept state, not the oldest (the anchor), choosing the one whose loss leaves
+        the shortest re-run between its neighbours (the newest is kept while another can go);
+        its pass's tokens go to the kept state before it, so every position after the anchor
+        stays reachable."""
+        import mlx.core as mx
+
+        snaps = self._snapshots
+        candidates = range(1, len(snaps) - 1) if len(snaps) > 2 else range(1, len(snaps))
+
+        def gap(i):
+            after = snaps[i + 1].pos if i + 1 < len(snaps) else self.pos
+            return after - snaps[i - 1].pos
+
+        i = min(candidates, key=gap)
+        before = snaps[i - 1]
+        before.tokens = mx.concatenate([before.tokens, snaps[i].tokens], axis=1)
+        del snaps[i]
 
     def _forget(self, why):
         self._snapshots.clear()
@@ -313,7 +345,9 @@ class Journal:
             # A fused re-run leaves no kept state between the re-run tokens and the pass's own:
             # the next rollback goes back before them and re-runs them again. Bounded here, so
             # rounds that keep rejecting do not make every verify pass longer.
-            if not self.fuse or replay.shape[1] > self.window:
+            # A draft's re-run (resync) always goes with its next pass: the next draft pass is
+            # its own, and a draft's pass counts never grow with it.
+            if not self.fuse or (replay.shape[1] > self.window and not self.resync):
                 self.flush()
         return n
 

@@ -55,6 +55,7 @@ Metal
     passes process several, so expect ~1e-6 rounding differences there, as for dense models.
 """
 
+import logging
 import sys
 
 from mlx_lm_patches.engine.patching import property_over
@@ -62,6 +63,9 @@ from mlx_lm_patches.engine.contract import Outcome
 
 CACHE = "mlx_lm.models.cache"
 GENERATE = "mlx_lm.generate"
+CAPPED = "num_draft_tokens settings already reported as capped"
+
+log = logging.getLogger("mlx_lm_patches")
 
 
 def _is_trimmable(self):
@@ -109,14 +113,16 @@ class _JournaledModel:
     the draft reads this model's caches between the two (it says so: ``reads_main_model``; the
     MTP draft does not need it: it counts the tokens left to re-run as committed)."""
 
-    def __init__(self, model, caches, window, supplied=False, fuse=True):
+    def __init__(self, model, caches, window, supplied=False, fuse=True, draft=False):
         from mlx_lm_patches.mechanisms.journal import Journal
         from mlx_lm_patches.mechanisms.caches import kept_caches
 
         self._model = model
         self._caches = caches
         self.caller_caches = caches if supplied else None
-        self.journal = (Journal(model, caches, window, strict=True, fuse=fuse)
+        # The main model goes back exactly or refuses; a draft only decides what is proposed (the
+        # main model verifies every token), so its journal never refuses (journal.py, ``resync``).
+        self.journal = (Journal(model, caches, window, strict=not draft, fuse=fuse, resync=draft)
                         if kept_caches(caches) else None)
 
     def make_cache(self):
@@ -131,7 +137,30 @@ class _JournaledModel:
         return getattr(self._model, name)
 
 
-def _speculative_with_rollback(wrapped, instance, args, kwargs):
+def _within_budget(num_draft, max_tokens, memo):
+    """``num_draft`` capped so that a main model's rollback stays within the kept states: a round
+    of ``k`` draft tokens needs ``k + 2`` of them (``MLX_LM_PATCHES_ROLLBACK_SNAPSHOTS``). Capping
+    before the first token, with one warning per process and setting, instead of refusing in
+    the middle of a generation. ``memo``: the patcher's (the settings already reported)."""
+    from mlx_lm_patches.engine.env import ROLLBACK_SNAPSHOTS
+    from mlx_lm_patches.mechanisms.journal import max_snapshots
+
+    limit = max_snapshots()
+    allowed = max(limit - 2, 0)
+    drafted = num_draft if max_tokens is None or max_tokens < 0 else min(num_draft, max_tokens)
+    if drafted <= allowed:
+        return num_draft
+    said = memo.setdefault(CAPPED, set())
+    if (num_draft, allowed) not in said:
+        said.add((num_draft, allowed))
+        log.warning(
+            "mlx-lm-patches: num_draft_tokens=%d capped to %d: exact rollback of a hybrid main "
+            "model keeps at most %s=%d recurrent states, and a round of k draft tokens needs "
+            "k + 2 (raise the setting to draft more)", num_draft, allowed, ROLLBACK_SNAPSHOTS, limit)
+    return allowed
+
+
+def _speculative_with_rollback(memo, wrapped, instance, args, kwargs):
     from mlx_lm.models.cache import make_prompt_cache
 
     from mlx_lm_patches.mechanisms.caches import kept_caches
@@ -145,10 +174,14 @@ def _speculative_with_rollback(wrapped, instance, args, kwargs):
     main, draft = parts if supplied else (make_prompt_cache(model), make_prompt_cache(draft_model))
     if not (kept_caches(main) or kept_caches(draft)):
         return wrapped(*args, **kwargs)
-    window = int(bound.arguments.get("num_draft_tokens") or 2) + 1
+    num_draft = int(bound.arguments.get("num_draft_tokens") or 0)
+    if kept_caches(main):
+        num_draft = _within_budget(num_draft, bound.arguments.get("max_tokens"), memo)
+        bound.arguments["num_draft_tokens"] = num_draft
+    window = num_draft + 1 if num_draft > 0 else 0
     fuse = not getattr(draft_model, "reads_main_model", False)
     views = (_JournaledModel(model, main, window, supplied, fuse=fuse),
-             _JournaledModel(draft_model, draft, window, supplied))
+             _JournaledModel(draft_model, draft, window, supplied, draft=True))
     bound.arguments.update(model=views[0], draft_model=views[1], prompt_cache=None)
     return _detach_when_done(wrapped(*bound.args, **bound.kwargs), views)
 
@@ -188,7 +221,12 @@ def apply(p):
     # 0.32.x generate.py imports trim_prompt_cache by name; older releases call cache.trim_prompt_cache.
     if "trim_prompt_cache" in vars(sys.modules.get(GENERATE) or object):
         p.wrap(f"{GENERATE}:trim_prompt_cache", _trim_prompt_cache)
-    p.wrap(f"{GENERATE}:speculative_generate_step", _speculative_with_rollback)
+    memo = p.memo  # not a module global: revert clears it, status lists it
+
+    def speculative_generate_step(wrapped, instance, args, kwargs):
+        return _speculative_with_rollback(memo, wrapped, instance, args, kwargs)
+
+    p.wrap(f"{GENERATE}:speculative_generate_step", speculative_generate_step)
 
 
 def scenario():

@@ -1,0 +1,192 @@
+"""Speculative decoding never refuses what stock mlx-lm answers for the rollback budget
+(``MLX_LM_PATCHES_ROLLBACK_SNAPSHOTS``, issue 37 items 1-2), through the public entry points:
+
+* a **draft** model's rollback never raises: a dense main model with a hybrid draft drafting more
+  tokens than the kept states allow gives the main model's greedy tokens (stock mlx-lm's answer),
+  and the draft is re-synchronised exactly (the same proposals as with states to spare);
+* a hybrid **main** model drafting more than the budget runs with ``num_draft_tokens`` capped to
+  ``snapshots - 2`` before the first token, exact, with one warning on stderr and nothing on
+  stdout.
+"""
+
+import pytest
+
+import mlx_lm_patches
+from mlx_lm_patches.demos.scenarios import greedy, prompt_tokens, speculative_greedy
+from mlx_lm_patches.demos.tiny_models import DENSE_MODEL_TYPE, build_tiny_model
+
+mlx_lm_patches.apply()
+
+HYBRID = "qwen3_next"  # in every supported release
+SNAPSHOTS = "MLX_LM_PATCHES_ROLLBACK_SNAPSHOTS"
+CAPPED = "num_draft_tokens={} capped to {}"
+
+
+class _Proposals:
+    """``model``, recording the token it proposes (argmax of the last position) at each call."""
+
+    def __init__(self, model):
+        self.model, self.proposed = model, []
+
+    def __call__(self, *args, **kwargs):
+        import mlx.core as mx
+
+        out = self.model(*args, **kwargs)
+        self.proposed.append(int(mx.argmax(out[0, -1]).item()))
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+def test_dense_main_hybrid_draft_beyond_the_default_budget(monkeypatch):
+    """The issue's command: 40 draft tokens, default budget (32 states), max_tokens 40. Every
+    round here rejects early, so the draft goes back ~39 tokens each time; the first tokens
+    (three rounds) are enough to show it (the generator is closed after them). The draft proposes
+    exactly what it proposes with 64 states (a draft left ahead, as stock leaves it, does not)."""
+    import itertools
+
+    import mlx.core as mx
+    from mlx_lm.generate import speculative_generate_step
+
+    from mlx_lm_patches.demos.scenarios import Decoded
+
+    model = build_tiny_model(DENSE_MODEL_TYPE, seed=1)
+    prompt = prompt_tokens(13, seed=3)
+    reference = greedy(model, prompt, max_tokens=3)
+    proposals = {}
+    for snapshots in ("", "64"):
+        monkeypatch.setenv(SNAPSHOTS, snapshots)
+        draft = _Proposals(build_tiny_model(HYBRID, seed=7))
+        steps = speculative_generate_step(mx.array(prompt), model, draft, num_draft_tokens=40, max_tokens=40)
+        first = list(itertools.islice(steps, 3))
+        proposals[snapshots] = list(draft.proposed)  # not the re-run that ending the loop may run
+        steps.close()
+        problem = reference.compare(Decoded([int(t) for t, _, _ in first], [lp for _, lp, _ in first]))
+        assert problem is None, f"{SNAPSHOTS}={snapshots!r}: {problem}"
+    assert proposals[""] == proposals["64"]
+
+
+@pytest.mark.parametrize("main_type", [DENSE_MODEL_TYPE, HYBRID])
+def test_hybrid_draft_over_budget_is_resynchronised_exactly(monkeypatch, main_type):
+    """Few states kept: with 2, a dense main model keeps drafting 4 tokens (the draft's rollback
+    of 3 goes back to an older state and re-runs more); with 3, a hybrid main model drafts 1
+    (its cap). Output: the main model's greedy tokens; the draft proposes exactly what it
+    proposes with states to spare (a draft left ahead of the accepted tokens, as stock leaves
+    it, proposes other tokens)."""
+    model = build_tiny_model(main_type, seed=1)
+    prompt = prompt_tokens(13, seed=3)
+    reference = greedy(model, prompt, max_tokens=16)
+    few = "2" if main_type == DENSE_MODEL_TYPE else "3"
+    proposals = {}
+    for snapshots in ("64", few):
+        monkeypatch.setenv(SNAPSHOTS, snapshots)
+        draft = _Proposals(build_tiny_model(HYBRID, seed=7))
+        nd = 4 if main_type == DENSE_MODEL_TYPE else 1  # what the hybrid main is capped to at 3
+        got = speculative_greedy(model, draft, prompt, max_tokens=16, num_draft_tokens=nd)
+        problem = reference.compare(got)
+        assert problem is None, f"{SNAPSHOTS}={snapshots}: {problem}"
+        proposals[snapshots] = draft.proposed
+    assert proposals[few] == proposals["64"]
+
+
+def test_hybrid_main_over_budget_is_capped_before_the_first_token(monkeypatch, caplog):
+    """A hybrid main model (and a hybrid draft) asked for 7 draft tokens with 4 states: 2 per
+    round, said once per process and setting (a second generation says nothing), exact."""
+    import logging
+
+    from mlx_lm.generate import speculative_generate_step
+
+    model = build_tiny_model(HYBRID, seed=1)
+    prompt = prompt_tokens(13, seed=3)
+    reference = greedy(model, prompt, max_tokens=12)
+    monkeypatch.setenv(SNAPSHOTS, "4")
+    lengths = []
+
+    class Verify:  # the main model, recording the verify passes' lengths
+        def __call__(self, inputs, **kwargs):
+            lengths.append(inputs.shape[1])
+            return model(inputs, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(model, name)
+
+    with caplog.at_level(logging.WARNING, logger="mlx_lm_patches"):
+        steps = speculative_generate_step(__import__("mlx.core").core.array(prompt), Verify(),
+                                          build_tiny_model(HYBRID, seed=7), num_draft_tokens=7, max_tokens=12)
+        warned_before_first_token = [r.getMessage() for r in caplog.records]
+        got = speculative_greedy(Verify(), build_tiny_model(HYBRID, seed=7), prompt, max_tokens=12,
+                                 num_draft_tokens=7)
+        steps.close()
+    problem = reference.compare(got)
+    assert problem is None, problem
+    said = [r.getMessage() for r in caplog.records if CAPPED.format(7, 2) in r.getMessage()]
+    assert len(said) == 1, caplog.records
+    assert any(CAPPED.format(7, 2) in m for m in warned_before_first_token)
+    assert f"{SNAPSHOTS}=4" in said[0]
+    # After the prefill: the first verify pass is 1 + 2 drafts; later ones may carry accepted
+    # tokens a rollback re-runs (at most the window again). Uncapped, the first one was 8.
+    assert lengths[1] == 3 and max(lengths[1:]) <= 2 * 3, lengths
+
+
+PROMPT = "the quick brown fox jumps over"
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    from mlx_lm_patches.demos.model_folder import write_model_folder
+    from mlx_lm_patches.demos.tiny_models import tiny_config
+
+    root = tmp_path_factory.mktemp("budget")
+    return {name: write_model_folder(root / name, build_tiny_model(model_type, seed=seed), tiny_config(model_type))
+            for name, (model_type, seed) in {"dense": (DENSE_MODEL_TYPE, 1), "hybrid": (HYBRID, 1),
+                                             "hybrid-draft": (HYBRID, 7)}.items()}
+
+
+def _cli(*args, env=None):
+    import os
+    import subprocess
+    import sys
+
+    from conftest import clean_env
+
+    command = [os.path.join(os.path.dirname(sys.executable), "mlx_lm.generate")]
+    proc = subprocess.run([*command, "--prompt", PROMPT, "--max-tokens", "14", "--verbose", "False", *args],
+                          capture_output=True, text=True, timeout=300, env=clean_env(**(env or {})), cwd="/")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+@pytest.mark.subprocess
+@pytest.mark.release_only
+@pytest.mark.parametrize("main", ["dense", "hybrid"])
+def test_generate_cli_draft_model_over_budget(folders, main):
+    """``mlx_lm.generate --draft-model`` with a hybrid draft, three states, three draft tokens:
+    stdout is what the command prints without a draft; a hybrid main model's cap is said once on
+    stderr, a dense main model's run says nothing."""
+    reference = _cli("--model", str(folders[main]))
+    assert reference.stdout.strip()
+    got = _cli("--model", str(folders[main]), "--draft-model", str(folders["hybrid-draft"]),
+               "--num-draft-tokens", "3", env={SNAPSHOTS: "3"})
+    assert got.stdout == reference.stdout
+    ours = [line for line in got.stderr.splitlines() if "mlx-lm-patches" in line]
+    assert got.stderr.count(CAPPED.format(3, 1)) == len(ours) == (1 if main == "hybrid" else 0), got.stderr
+
+
+def test_stream_generate_dense_main_hybrid_draft(folders, monkeypatch):
+    """``stream_generate(draft_model=...)`` on loaded model folders, three states and three
+    draft tokens: the tokens and log-probabilities of ``stream_generate`` without a draft."""
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.generate import stream_generate
+
+    monkeypatch.setenv(SNAPSHOTS, "3")
+    model, tokenizer = load(str(folders["dense"]))
+    draft, _ = load(str(folders["hybrid-draft"]))
+
+    def run(**kwargs):
+        return [(r.token, r.logprobs) for r in stream_generate(model, tokenizer, PROMPT, max_tokens=14, **kwargs)]
+
+    reference, got = run(), run(draft_model=draft, num_draft_tokens=3)
+    assert [t for t, _ in got] == [t for t, _ in reference]
+    assert max(mx.abs(a - b).max().item() for (_, a), (_, b) in zip(reference, got)) <= 1e-4
