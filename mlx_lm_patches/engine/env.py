@@ -27,7 +27,9 @@ Default ``0``: only the launched command is activated."""
 
 ROLLBACK_SNAPSHOTS = "MLX_LM_PATCHES_ROLLBACK_SNAPSHOTS"
 """Most recurrent states kept per cache list for exact rollback (speculative decoding): a
-positive integer, default 32. Drafting more than ``value - 2`` tokens per round is refused."""
+positive integer, default 32. A hybrid (or sliding-window) main model drafts at most ``value - 2``
+tokens per round: a larger ``num_draft_tokens`` is capped before the first token, with one
+warning. A draft model's rollback never refuses: past the bound it re-runs from an older state."""
 
 PREFIX_CHECKPOINTS = "MLX_LM_PATCHES_PREFIX_CHECKPOINTS"
 """Most recurrent states kept per sequence for exact prefix reuse of hybrid models

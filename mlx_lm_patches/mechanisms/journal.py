@@ -29,7 +29,7 @@ A :class:`Journal` makes one model's cache list go back exactly:
   round re-runs them again: a re-run longer than ``window`` tokens is run at once instead (without
   that bound, every round that rejects a draft made the next verify pass one token longer). A
   draft model decodes one token per pass, so its trims land exactly on a kept state and replay
-  nothing.
+  nothing - unless the bound below left no state there (``resync``).
 * The whole cache list moves as a unit, or not at all: if any layer cannot reach the target
   (no kept state that old, a plain cache that cannot drop that many keys, a forward that
   bypassed the journal), nothing is touched and the trim reports 0 - or, for callers that ignore

@@ -33,7 +33,12 @@ Fix
     trimmable, as in stock mlx-lm: never a reset. A model with sliding windows and no recurrent
     state trims its caches in place, as stock does, while no window has overwritten a key yet;
     after that (``RotatingKVCache.is_trimmable()`` is true while journaled) by restore and replay. The loop itself stays mlx-lm's. Kept states
-    are bounded by ``num_draft_tokens + 1`` tokens and ``MLX_LM_PATCHES_ROLLBACK_SNAPSHOTS``.
+    are bounded by ``num_draft_tokens + 1`` tokens and ``MLX_LM_PATCHES_ROLLBACK_SNAPSHOTS``:
+    a main model with kept caches drafts at most ``snapshots - 2`` tokens per round (a larger
+    ``num_draft_tokens`` is capped before the first token, with one warning per process and
+    setting: never a refusal in the middle of a generation); a draft's rollback never refuses
+    (it only decides what is proposed): past the bound it restores an older kept state and
+    re-runs more of its tokens, so its proposals stay those of an unbounded journal.
     Cost: nothing on a fully accepted round; after a rejection the accepted tokens are re-run
     in front of the next verify pass (a longer pass, no extra model call).
 
