@@ -95,38 +95,43 @@ def test_hybrid_main_over_budget_is_capped_before_the_first_token(monkeypatch, c
     round, said once per process and setting (a second generation says nothing), exact."""
     import logging
 
+    import mlx.core as mx
     from mlx_lm.generate import speculative_generate_step
 
     model = build_tiny_model(HYBRID, seed=1)
     prompt = prompt_tokens(13, seed=3)
     reference = greedy(model, prompt, max_tokens=12)
     monkeypatch.setenv(SNAPSHOTS, "4")
-    lengths = []
+    calls = []
 
-    class Verify:  # the main model, recording the verify passes' lengths
+    class Recorded:  # a model, recording which of the two ran each pass
+        def __init__(self, name, inner):
+            self.name, self.inner = name, inner
+
         def __call__(self, inputs, **kwargs):
-            lengths.append(inputs.shape[1])
-            return model(inputs, **kwargs)
+            calls.append(self.name)
+            return self.inner(inputs, **kwargs)
 
         def __getattr__(self, name):
-            return getattr(model, name)
+            return getattr(self.inner, name)
 
     with caplog.at_level(logging.WARNING, logger="mlx_lm_patches"):
-        steps = speculative_generate_step(__import__("mlx.core").core.array(prompt), Verify(),
-                                          build_tiny_model(HYBRID, seed=7), num_draft_tokens=7, max_tokens=12)
+        steps = speculative_generate_step(mx.array(prompt), model, build_tiny_model(HYBRID, seed=7),
+                                          num_draft_tokens=7, max_tokens=12)
         warned_before_first_token = [r.getMessage() for r in caplog.records]
-        got = speculative_greedy(Verify(), build_tiny_model(HYBRID, seed=7), prompt, max_tokens=12,
-                                 num_draft_tokens=7)
         steps.close()
+        got = speculative_greedy(Recorded("main", model), Recorded("draft", build_tiny_model(HYBRID, seed=7)),
+                                 prompt, max_tokens=12, num_draft_tokens=7)
     problem = reference.compare(got)
     assert problem is None, problem
     said = [r.getMessage() for r in caplog.records if CAPPED.format(7, 2) in r.getMessage()]
     assert len(said) == 1, caplog.records
     assert any(CAPPED.format(7, 2) in m for m in warned_before_first_token)
     assert f"{SNAPSHOTS}=4" in said[0]
-    # After the prefill: the first verify pass is 1 + 2 drafts; later ones may carry accepted
-    # tokens a rollback re-runs (at most the window again). Uncapped, the first one was 8.
-    assert lengths[1] == 3 and max(lengths[1:]) <= 2 * 3, lengths
+    # Draft passes between two main passes: 2 per round (uncapped: 7). Passes of the prompt
+    # (before the first main pass) and the draft's re-runs are fused into its next pass.
+    rounds = [len(run) for run in "".join("d" if c == "draft" else "|" for c in calls).split("|")]
+    assert max(rounds) == 2, calls
 
 
 PROMPT = "the quick brown fox jumps over"
@@ -190,3 +195,24 @@ def test_stream_generate_dense_main_hybrid_draft(folders, monkeypatch):
     reference, got = run(), run(draft_model=draft, num_draft_tokens=3)
     assert [t for t, _ in got] == [t for t, _ in reference]
     assert max(mx.abs(a - b).max().item() for (_, a), (_, b) in zip(reference, got)) <= 1e-4
+
+
+def test_mtp_draft_of_a_hybrid_over_budget_is_capped(tmp_path, monkeypatch, caplog):
+    """The MTP draft path (``model.make_draft_model()``, ``--draft-model mtp``) of a hybrid:
+    three states, five draft tokens asked: one per round, said once, exact."""
+    import logging
+
+    from mlx_lm import load
+
+    from mlx_lm_patches.demos.mtp_checkpoints import write_mtp_checkpoint
+
+    model, _ = load(str(write_mtp_checkpoint(tmp_path, HYBRID, dtype="float32").folder))
+    prompt = prompt_tokens(17, seed=4)
+    reference = greedy(model, prompt, max_tokens=10)
+    monkeypatch.setenv(SNAPSHOTS, "3")
+    with caplog.at_level(logging.WARNING, logger="mlx_lm_patches"):
+        got = speculative_greedy(model, model.make_draft_model(), prompt, max_tokens=10, num_draft_tokens=5)
+    problem = reference.compare(got)
+    assert problem is None, problem
+    assert [r.getMessage() for r in caplog.records if "capped" in r.getMessage()] == [
+        next(r.getMessage() for r in caplog.records if CAPPED.format(5, 1) in r.getMessage())]
