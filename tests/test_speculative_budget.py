@@ -134,6 +134,39 @@ def test_hybrid_main_over_budget_is_capped_before_the_first_token(monkeypatch, c
     assert max(rounds) == 2, calls
 
 
+@pytest.mark.parametrize("limit", [2, 3])
+def test_a_drafts_journal_over_its_bound_keeps_its_re_runs_short(limit):
+    """A draft's journal (``resync``) with fewer states than its window keeps an anchor no
+    further back than twice the window, however long the sequence; and a trim of a whole window
+    from there is exact (the next token's logits equal those after a cold prefill)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+
+    from mlx_lm_patches.mechanisms.journal import Journal
+
+    model, window = build_tiny_model(HYBRID, seed=7), 5
+    tokens = prompt_tokens(40, seed=5)
+    cache = make_prompt_cache(model)
+    journal = Journal(model, cache, window=window, limit=limit, resync=True)
+    try:
+        journal.forward(mx.array(tokens[:4])[None], cache)
+        farthest = 0
+        for i, token in enumerate(tokens[4:], start=5):
+            journal.forward(mx.array([[token]]), cache)
+            assert len(journal._snapshots) <= limit
+            if i > 2 * window:
+                farthest = max(farthest, journal.pos - journal._snapshots[0].pos)
+        assert window <= farthest <= 2 * window
+        assert trim_prompt_cache(cache, window) == window
+        journal.flush()
+    finally:
+        journal.detach()
+    cold = make_prompt_cache(model)
+    model(mx.array(tokens[:-window])[None], cache=cold)
+    step = mx.array([[tokens[-window]]])  # the next token after both: the same logits
+    assert mx.abs(model(step, cache=cache) - model(step, cache=cold)).max().item() <= 1e-4
+
+
 PROMPT = "the quick brown fox jumps over"
 
 

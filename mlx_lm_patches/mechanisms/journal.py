@@ -247,13 +247,14 @@ class Journal:
 
     def _merge_away(self):
         """Drop one kept state, not the oldest (the anchor), choosing the one whose loss leaves
-        the shortest re-run between its neighbours (the newest is kept while another can go);
-        its pass's tokens go to the kept state before it, so every position after the anchor
-        stays reachable."""
+        the shortest re-run between its neighbours; its pass's tokens go to the kept state before
+        it, so every position after the anchor stays reachable. The newest goes while it is
+        close to the one before, so older states age until one can become the next anchor (with
+        two states: the anchor and one that ages, a re-run of at most twice the window)."""
         import mlx.core as mx
 
         snaps = self._snapshots
-        candidates = range(1, len(snaps) - 1) if len(snaps) > 2 else range(1, len(snaps))
+        candidates = range(1, len(snaps))
 
         def gap(i):
             after = snaps[i + 1].pos if i + 1 < len(snaps) else self.pos
