@@ -128,6 +128,10 @@ def test_hybrid_main_over_budget_is_capped_before_the_first_token(monkeypatch, c
     assert len(said) == 1, caplog.records
     assert any(CAPPED.format(7, 2) in m for m in warned_before_first_token)
     assert f"{SNAPSHOTS}=4" in said[0]
+    # More draft tokens than the budget but fewer tokens to generate: nothing to cap.
+    short = speculative_greedy(model, build_tiny_model(HYBRID, seed=7), prompt, max_tokens=2, num_draft_tokens=7)
+    assert greedy(model, prompt, max_tokens=2).compare(short) is None
+    assert len([r for r in caplog.records if "capped" in r.getMessage()]) == 1
     # Draft passes between two main passes: 2 per round (uncapped: 7). Passes of the prompt
     # (before the first main pass) and the draft's re-runs are fused into its next pass.
     rounds = [len(run) for run in "".join("d" if c == "draft" else "|" for c in calls).split("|")]

@@ -142,18 +142,24 @@ class _JournaledModel:
         return getattr(self._model, name)
 
 
-def _within_budget(num_draft, max_tokens, memo):
+def _longest_round(num_draft, max_tokens) -> int:
+    """The most draft tokens mlx-lm's loop puts in one round: ``min(max_tokens - generated,
+    num_draft_tokens)``, so never more than ``max_tokens`` (when that is not negative)."""
+    return num_draft if max_tokens is None or max_tokens < 0 else min(num_draft, max_tokens)
+
+
+def _within_budget(num_draft, longest, memo):
     """``num_draft`` capped so that a main model's rollback stays within the kept states: a round
     of ``k`` draft tokens needs ``k + 2`` of them (``MLX_LM_PATCHES_ROLLBACK_SNAPSHOTS``). Capping
     before the first token, with one warning per process and setting, instead of refusing in
-    the middle of a generation. ``memo``: the patcher's (the settings already reported)."""
+    the middle of a generation. ``longest``: the longest round asked for (:func:`_longest_round`);
+    ``memo``: the patcher's (the settings already reported)."""
     from mlx_lm_patches.engine.env import ROLLBACK_SNAPSHOTS
     from mlx_lm_patches.mechanisms.journal import max_snapshots
 
     limit = max_snapshots()
     allowed = max(limit - 2, 0)
-    drafted = num_draft if max_tokens is None or max_tokens < 0 else min(num_draft, max_tokens)
-    if drafted <= allowed:
+    if longest <= allowed:
         return num_draft
     said = memo.setdefault(CAPPED, set())
     if (num_draft, allowed) not in said:
@@ -180,10 +186,12 @@ def _speculative_with_rollback(memo, wrapped, instance, args, kwargs):
     if not (kept_caches(main) or kept_caches(draft)):
         return wrapped(*args, **kwargs)
     num_draft = int(bound.arguments.get("num_draft_tokens") or 0)
+    max_tokens = bound.arguments.get("max_tokens")
     if kept_caches(main):
-        num_draft = _within_budget(num_draft, bound.arguments.get("max_tokens"), memo)
+        num_draft = _within_budget(num_draft, _longest_round(num_draft, max_tokens), memo)
         bound.arguments["num_draft_tokens"] = num_draft
-    window = num_draft + 1 if num_draft > 0 else 0
+    longest = _longest_round(num_draft, max_tokens)
+    window = longest + 1 if longest > 0 else 0
     fuse = not getattr(draft_model, "reads_main_model", False)
     views = (_JournaledModel(model, main, window, supplied, fuse=fuse),
              _JournaledModel(draft_model, draft, window, supplied, draft=True))
