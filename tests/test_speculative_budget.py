@@ -253,3 +253,26 @@ def test_mtp_draft_of_a_hybrid_over_budget_is_capped(tmp_path, monkeypatch, capl
     assert problem is None, problem
     assert [r.getMessage() for r in caplog.records if "capped" in r.getMessage()] == [
         next(r.getMessage() for r in caplog.records if CAPPED.format(5, 1) in r.getMessage())]
+
+
+@pytest.mark.subprocess
+@pytest.mark.release_only
+def test_server_draft_model_over_budget(folders):
+    """``mlx_lm.server --draft-model`` with a hybrid main model and a hybrid draft, three states,
+    three draft tokens: two completions answer the greedy text; the cap is logged once."""
+    from mlx_lm import load
+
+    from conftest import clean_env
+    from support.chat_reference import token_reference
+    from support.server import serve
+
+    model, tokenizer = load(str(folders["hybrid"]))
+    reference = token_reference(model, tokenizer, tokenizer.encode(PROMPT), 8)
+    with serve(folders["hybrid"], "--draft-model", folders["hybrid-draft"], "--num-draft-tokens", "3",
+               env=clean_env(MLX_LM_PATCHES_STRICT="1", **{SNAPSHOTS: "3"})) as server:
+        for _ in range(2):
+            reply = server.post("/v1/completions", {"prompt": PROMPT, "model": "default_model",
+                                                    "max_tokens": 8, "temperature": 0.0})
+            assert reply["choices"][0]["text"] == reference.text
+        log = server.log()
+    assert log.count(CAPPED.format(3, 1)) == 1, log[-3000:]
