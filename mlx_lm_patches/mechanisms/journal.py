@@ -37,9 +37,9 @@ A :class:`Journal` makes one model's cache list go back exactly:
 
 Kept states are bounded: a journal keeps what a trim of up to ``window`` tokens needs and never
 more than ``max_snapshots`` (env ``MLX_LM_PATCHES_ROLLBACK_SNAPSHOTS``). Their bytes are added to
-``ArraysCache.nbytes`` while the journal is attached. A journal that must restore each kept
-state without replay (``resync=False``: the main model) refuses a window that needs more states
-than that. A draft's journal (``resync=True``) never refuses for the bound: when it has to drop
+``ArraysCache.nbytes`` while the journal is attached. A main model's journal (``resync=False``)
+refuses a window that needs more states than that (the speculative loop drafts fewer tokens
+instead, see ``recurrent-rollback``). A draft's journal (``resync=True``) never refuses for the bound: when it has to drop
 a kept state it keeps the oldest one (the anchor every trim within the window starts from) and
 gives the dropped state's tokens to the kept state before it, so a trim the bound leaves no state
 for goes back to an older one and re-runs more tokens - still the draft's own forward from a
@@ -346,8 +346,8 @@ class Journal:
             # A fused re-run leaves no kept state between the re-run tokens and the pass's own:
             # the next rollback goes back before them and re-runs them again. Bounded here, so
             # rounds that keep rejecting do not make every verify pass longer.
-            # A draft's re-run (resync) always goes with its next pass: the next draft pass is
-            # its own, and a draft's pass counts never grow with it.
+            # A draft's re-run (resync) always goes in front of its next pass, however long: its
+            # length is bounded by how far back the anchor is (see _merge_away), not by this.
             if not self.fuse or (replay.shape[1] > self.window and not self.resync):
                 self.flush()
         return n
