@@ -7,6 +7,8 @@
 * a hybrid **main** model drafting more than the budget runs with ``num_draft_tokens`` capped to
   ``snapshots - 2`` before the first token, exact, with one warning on stderr and nothing on
   stdout.
+
+``mlx_lm.generate --draft-model`` over the budget: test_speculative_entry_points.py.
 """
 
 import pytest
@@ -183,36 +185,6 @@ def folders(tmp_path_factory):
     return {name: write_model_folder(root / name, build_tiny_model(model_type, seed=seed), tiny_config(model_type))
             for name, (model_type, seed) in {"dense": (DENSE_MODEL_TYPE, 1), "hybrid": (HYBRID, 1),
                                              "hybrid-draft": (HYBRID, 7)}.items()}
-
-
-def _cli(*args, env=None):
-    import os
-    import subprocess
-    import sys
-
-    from conftest import clean_env
-
-    command = [os.path.join(os.path.dirname(sys.executable), "mlx_lm.generate")]
-    proc = subprocess.run([*command, "--prompt", PROMPT, "--max-tokens", "14", "--verbose", "False", *args],
-                          capture_output=True, text=True, timeout=300, env=clean_env(**(env or {})), cwd="/")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
-
-
-@pytest.mark.subprocess
-@pytest.mark.release_only
-@pytest.mark.parametrize("main", ["dense", "hybrid"])
-def test_generate_cli_draft_model_over_budget(folders, main):
-    """``mlx_lm.generate --draft-model`` with a hybrid draft, three states, three draft tokens:
-    stdout is what the command prints without a draft; a hybrid main model's cap is said once on
-    stderr, a dense main model's run says nothing."""
-    reference = _cli("--model", str(folders[main]))
-    assert reference.stdout.strip()
-    got = _cli("--model", str(folders[main]), "--draft-model", str(folders["hybrid-draft"]),
-               "--num-draft-tokens", "3", env={SNAPSHOTS: "3"})
-    assert got.stdout == reference.stdout
-    ours = [line for line in got.stderr.splitlines() if "mlx-lm-patches" in line]
-    assert got.stderr.count(CAPPED.format(3, 1)) == len(ours) == (1 if main == "hybrid" else 0), got.stderr
 
 
 def test_stream_generate_dense_main_hybrid_draft(folders, monkeypatch):
