@@ -52,9 +52,10 @@ def test_stream_generate_with_a_draft_model(folders, draft):
         assert sum(from_draft for _, _, from_draft in got) >= len(got) // 2
 
 
-def _cli(*args, form="console-script", env=None):
+def _cli(*args, form="console-script", env=None, whole=False):
     """The ``mlx_lm.generate`` console script of this venv (the documented command), or
-    ``python -m mlx_lm.generate`` (deprecated upstream, still common)."""
+    ``python -m mlx_lm.generate`` (deprecated upstream, still common). Its stdout, or with
+    ``whole`` the whole run (stdout and stderr)."""
     import os
     import subprocess
     import sys
@@ -72,7 +73,7 @@ def _cli(*args, form="console-script", env=None):
                           capture_output=True, text=True, timeout=300, env=clean_env(**(env or {})), cwd="/")
     ran = Ran(proc.returncode, proc.stdout, proc.stderr)
     assert ran.returncode == 0, ran.stderr[-3000:]
-    return ran.stdout
+    return ran if whole else ran.stdout
 
 
 @pytest.fixture(scope="module")
@@ -116,3 +117,26 @@ def test_python_dash_m_stock_shows_its_deprecation_notice():
     stock = subprocess.run([sys.executable, "-m", "mlx_lm.generate", "--help"], capture_output=True,
                            text=True, env=clean_env(MLX_LM_PATCHES="0"), cwd="/")
     assert "deprecated" in stock.stdout
+
+
+CAPPED = "num_draft_tokens=3 capped to 1"
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize("main", ["hybrid", "dense"])
+def test_generate_cli_draft_model_over_the_rollback_budget(folders, cli_reference, tmp_path, main):
+    """``MLX_LM_PATCHES_ROLLBACK_SNAPSHOTS=3``, three draft tokens, a hybrid draft (issue 37;
+    more in test_speculative_budget.py): stdout is what the command prints without a draft; a
+    hybrid main model's cap (to 1) is said once on stderr, a dense main model's run says nothing
+    (its draft re-synchronises)."""
+    if main == "hybrid":
+        folder, reference = folders["main"], cli_reference
+    else:
+        folder = write_model_folder(tmp_path / "dense", build_tiny_model(DENSE_MODEL_TYPE, seed=1),
+                                    tiny_config(DENSE_MODEL_TYPE))
+        reference = _cli("--model", str(folder))
+    got = _cli("--model", str(folder), "--draft-model", str(folders["hybrid-draft"]), "--num-draft-tokens", "3",
+               env={"MLX_LM_PATCHES_ROLLBACK_SNAPSHOTS": "3"}, whole=True)
+    assert got.stdout == reference
+    ours = [line for line in got.stderr.splitlines() if "mlx-lm-patches" in line]
+    assert got.stderr.count(CAPPED) == len(ours) == (1 if main == "hybrid" else 0), got.stderr

@@ -107,7 +107,10 @@ VARIABLES = {v.name: v for v in (
              "``mlx-lm-patches-run``: keep the activation in child processes of the command."),
     Variable(ROLLBACK_SNAPSHOTS, _parse_positive, 32, "a positive integer",
              "Most recurrent states kept per cache list for exact rollback (speculative "
-             "decoding)."),
+             "decoding). A hybrid (or sliding-window) main model drafts at most ``value - 2`` "
+             "tokens per round: a larger ``num_draft_tokens`` is capped before the first token, "
+             "with one warning. A draft model's rollback never refuses: past the bound it re-runs "
+             "from an older state."),
     Variable(PREFIX_CHECKPOINTS, _parse_non_negative, 8,
              "a non-negative integer (0 turns it off)",
              "Most recurrent states kept per sequence for exact prefix reuse of hybrid models."),

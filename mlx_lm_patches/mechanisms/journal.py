@@ -29,7 +29,7 @@ A :class:`Journal` makes one model's cache list go back exactly:
   round re-runs them again: a re-run longer than ``window`` tokens is run at once instead (without
   that bound, every round that rejects a draft made the next verify pass one token longer). A
   draft model decodes one token per pass, so its trims land exactly on a kept state and replay
-  nothing.
+  nothing - unless the bound below left no state there (``resync``).
 * The whole cache list moves as a unit, or not at all: if any layer cannot reach the target
   (no kept state that old, a plain cache that cannot drop that many keys, a forward that
   bypassed the journal), nothing is touched and the trim reports 0 - or, for callers that ignore
@@ -37,7 +37,15 @@ A :class:`Journal` makes one model's cache list go back exactly:
 
 Kept states are bounded: a journal keeps what a trim of up to ``window`` tokens needs and never
 more than ``max_snapshots`` (env ``MLX_LM_PATCHES_ROLLBACK_SNAPSHOTS``). Their bytes are added to
-``ArraysCache.nbytes`` while the journal is attached.
+``ArraysCache.nbytes`` while the journal is attached. A main model's journal (``resync=False``)
+refuses a window that needs more states than that (the speculative loop drafts fewer tokens
+instead, see ``recurrent-rollback``). A draft's journal (``resync=True``) never refuses for the bound: when it has to drop
+a kept state it keeps the oldest one (the anchor every trim within the window starts from) and
+gives the dropped state's tokens to the kept state before it, so a trim the bound leaves no state
+for goes back to an older one and re-runs more tokens - still the draft's own forward from a
+state it really had, so still what a cold prefill computes; only slower. (Where nothing exact is
+possible - a forward it did not see - a draft's trim changes nothing and reports 0, as stock
+mlx-lm does for a draft: the main model verifies every token.)
 """
 
 import threading
@@ -133,13 +141,14 @@ class Journal:
     """
 
     def __init__(self, model, caches, window: int, strict: bool = False, limit: Optional[int] = None,
-                 fuse: bool = False):
+                 fuse: bool = False, resync: bool = False):
         self.model = model
-        self.window = max(int(window), 1)
+        self.window = max(int(window), 0)
         self.strict = strict
         self.fuse = fuse  # re-run trimmed-over tokens with the next pass instead of at once
+        self.resync = resync  # a draft's: over the bound, merge kept states rather than refuse
         self.limit = limit or max_snapshots()
-        if self.window + 1 > self.limit:
+        if not resync and self.window + 1 > self.limit:
             raise RollbackRefused(
                 f"exact rollback of up to {self.window} tokens keeps up to {self.window + 1} "
                 f"recurrent states, more than {SNAPSHOTS_ENV}={self.limit}; raise that setting "
@@ -200,6 +209,8 @@ class Journal:
             self._after = None
             return out
         if not self._consistent(cache):
+            if self._pending is not None and self.resync:
+                self._pending = None  # a draft left ahead, as stock leaves it (see the docstring)
             if self._pending is not None:
                 raise RollbackRefused("the caches changed outside the journal before the tokens a "
                                       "rollback went back over were re-run; they cannot be re-run now")
@@ -228,8 +239,30 @@ class Journal:
                 first = i
         del self._snapshots[:first]
         excess = len(self._snapshots) - self.limit
-        if excess > 0:
+        if excess > 0 and not self.resync:
             del self._snapshots[:excess]
+        for _ in range(max(excess, 0) if self.resync else 0):
+            self._merge_away()
+
+    def _merge_away(self):
+        """Drop one kept state, not the oldest (the anchor), choosing the one whose loss leaves
+        the shortest re-run between its neighbours; its pass's tokens go to the kept state before
+        it, so every position after the anchor stays reachable. The newest goes while it is
+        close to the one before, so older states age until one can become the next anchor (with
+        two states: the anchor and one that ages, a re-run of at most twice the window)."""
+        import mlx.core as mx
+
+        snaps = self._snapshots
+        candidates = range(1, len(snaps))
+
+        def gap(i):
+            after = snaps[i + 1].pos if i + 1 < len(snaps) else self.pos
+            return after - snaps[i - 1].pos
+
+        i = min(candidates, key=gap)
+        before = snaps[i - 1]
+        before.tokens = mx.concatenate([before.tokens, snaps[i].tokens], axis=1)
+        del snaps[i]
 
     def _forget(self, why):
         self._snapshots.clear()
@@ -312,7 +345,9 @@ class Journal:
             # A fused re-run leaves no kept state between the re-run tokens and the pass's own:
             # the next rollback goes back before them and re-runs them again. Bounded here, so
             # rounds that keep rejecting do not make every verify pass longer.
-            if not self.fuse or replay.shape[1] > self.window:
+            # A draft's re-run (resync) always goes in front of its next pass, however long: its
+            # length is bounded by how far back the anchor is (see _merge_away), not by this.
+            if not self.fuse or (replay.shape[1] > self.window and not self.resync):
                 self.flush()
         return n
 

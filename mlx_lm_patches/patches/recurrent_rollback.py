@@ -33,7 +33,12 @@ Fix
     trimmable, as in stock mlx-lm: never a reset. A model with sliding windows and no recurrent
     state trims its caches in place, as stock does, while no window has overwritten a key yet;
     after that (``RotatingKVCache.is_trimmable()`` is true while journaled) by restore and replay. The loop itself stays mlx-lm's. Kept states
-    are bounded by ``num_draft_tokens + 1`` tokens and ``MLX_LM_PATCHES_ROLLBACK_SNAPSHOTS``.
+    are bounded by ``num_draft_tokens + 1`` tokens and ``MLX_LM_PATCHES_ROLLBACK_SNAPSHOTS``:
+    a main model with kept caches drafts at most ``snapshots - 2`` tokens per round (a larger
+    ``num_draft_tokens`` is capped before the first token, with one warning per process and
+    setting: never a refusal in the middle of a generation); a draft's rollback never refuses
+    (it only decides what is proposed): past the bound it restores an older kept state and
+    re-runs more of its tokens, so its proposals stay those of an unbounded journal.
     Cost: nothing on a fully accepted round; after a rejection the accepted tokens are re-run
     in front of the next verify pass (a longer pass, no extra model call).
 
@@ -55,6 +60,7 @@ Metal
     passes process several, so expect ~1e-6 rounding differences there, as for dense models.
 """
 
+import logging
 import sys
 
 from mlx_lm_patches.engine.patching import property_over
@@ -62,6 +68,9 @@ from mlx_lm_patches.engine.contract import Outcome
 
 CACHE = "mlx_lm.models.cache"
 GENERATE = "mlx_lm.generate"
+CAPPED = "num_draft_tokens settings already reported as capped"
+
+log = logging.getLogger("mlx_lm_patches")
 
 
 def _is_trimmable(self):
@@ -109,14 +118,16 @@ class _JournaledModel:
     the draft reads this model's caches between the two (it says so: ``reads_main_model``; the
     MTP draft does not need it: it counts the tokens left to re-run as committed)."""
 
-    def __init__(self, model, caches, window, supplied=False, fuse=True):
+    def __init__(self, model, caches, window, supplied=False, fuse=True, draft=False):
         from mlx_lm_patches.mechanisms.journal import Journal
         from mlx_lm_patches.mechanisms.caches import kept_caches
 
         self._model = model
         self._caches = caches
         self.caller_caches = caches if supplied else None
-        self.journal = (Journal(model, caches, window, strict=True, fuse=fuse)
+        # The main model goes back exactly or refuses; a draft only decides what is proposed (the
+        # main model verifies every token), so its journal never refuses (journal.py, ``resync``).
+        self.journal = (Journal(model, caches, window, strict=not draft, fuse=fuse, resync=draft)
                         if kept_caches(caches) else None)
 
     def make_cache(self):
@@ -131,7 +142,36 @@ class _JournaledModel:
         return getattr(self._model, name)
 
 
-def _speculative_with_rollback(wrapped, instance, args, kwargs):
+def _longest_round(num_draft, max_tokens) -> int:
+    """The most draft tokens mlx-lm's loop puts in one round: ``min(max_tokens - generated,
+    num_draft_tokens)``, so never more than ``max_tokens`` (when that is not negative)."""
+    return num_draft if max_tokens is None or max_tokens < 0 else min(num_draft, max_tokens)
+
+
+def _within_budget(num_draft, longest, memo):
+    """``num_draft`` capped so that a main model's rollback stays within the kept states: a round
+    of ``k`` draft tokens needs ``k + 2`` of them (``MLX_LM_PATCHES_ROLLBACK_SNAPSHOTS``). Capping
+    before the first token, with one warning per process and setting, instead of refusing in
+    the middle of a generation. ``longest``: the longest round asked for (:func:`_longest_round`);
+    ``memo``: the patcher's (the settings already reported)."""
+    from mlx_lm_patches.engine.env import ROLLBACK_SNAPSHOTS
+    from mlx_lm_patches.mechanisms.journal import max_snapshots
+
+    limit = max_snapshots()
+    allowed = max(limit - 2, 0)
+    if longest <= allowed:
+        return num_draft
+    said = memo.setdefault(CAPPED, set())
+    if (num_draft, allowed) not in said:
+        said.add((num_draft, allowed))
+        log.warning(
+            "mlx-lm-patches: num_draft_tokens=%d capped to %d: exact rollback of a hybrid main "
+            "model keeps at most %s=%d recurrent states, and a round of k draft tokens needs "
+            "k + 2 (raise the setting to draft more)", num_draft, allowed, ROLLBACK_SNAPSHOTS, limit)
+    return allowed
+
+
+def _speculative_with_rollback(memo, wrapped, instance, args, kwargs):
     from mlx_lm.models.cache import make_prompt_cache
 
     from mlx_lm_patches.mechanisms.caches import kept_caches
@@ -145,10 +185,16 @@ def _speculative_with_rollback(wrapped, instance, args, kwargs):
     main, draft = parts if supplied else (make_prompt_cache(model), make_prompt_cache(draft_model))
     if not (kept_caches(main) or kept_caches(draft)):
         return wrapped(*args, **kwargs)
-    window = int(bound.arguments.get("num_draft_tokens") or 2) + 1
+    num_draft = int(bound.arguments.get("num_draft_tokens") or 0)
+    max_tokens = bound.arguments.get("max_tokens")
+    if kept_caches(main):
+        num_draft = _within_budget(num_draft, _longest_round(num_draft, max_tokens), memo)
+        bound.arguments["num_draft_tokens"] = num_draft
+    longest = _longest_round(num_draft, max_tokens)
+    window = longest + 1 if longest > 0 else 0
     fuse = not getattr(draft_model, "reads_main_model", False)
     views = (_JournaledModel(model, main, window, supplied, fuse=fuse),
-             _JournaledModel(draft_model, draft, window, supplied))
+             _JournaledModel(draft_model, draft, window, supplied, draft=True))
     bound.arguments.update(model=views[0], draft_model=views[1], prompt_cache=None)
     return _detach_when_done(wrapped(*bound.args, **bound.kwargs), views)
 
@@ -188,7 +234,12 @@ def apply(p):
     # 0.32.x generate.py imports trim_prompt_cache by name; older releases call cache.trim_prompt_cache.
     if "trim_prompt_cache" in vars(sys.modules.get(GENERATE) or object):
         p.wrap(f"{GENERATE}:trim_prompt_cache", _trim_prompt_cache)
-    p.wrap(f"{GENERATE}:speculative_generate_step", _speculative_with_rollback)
+    memo = p.memo  # not a module global: revert clears it, status lists it
+
+    def speculative_generate_step(wrapped, instance, args, kwargs):
+        return _speculative_with_rollback(memo, wrapped, instance, args, kwargs)
+
+    p.wrap(f"{GENERATE}:speculative_generate_step", speculative_generate_step)
 
 
 def scenario():
