@@ -233,8 +233,9 @@ def attention_replacement_problem(vllm_patch_module) -> Optional[str]:
     attention = next(layer.self_attn for layer in model.language_model.model.layers
                      if hasattr(layer, "self_attn"))
     hidden = attention.q_proj.weight.shape[1]
-    mx.random.seed(3)
-    prompt, step = mx.random.normal((2, 3, hidden)), mx.random.normal((2, 1, hidden))
+    prompt_key, step_key = mx.random.split(mx.random.key(3))
+    prompt = mx.random.normal((2, 3, hidden), key=prompt_key)
+    step = mx.random.normal((2, 1, hidden), key=step_key)
 
     def decode(call):
         cache = BatchKVCache([2, 0])

@@ -26,6 +26,8 @@ import functools
 import importlib.util
 from typing import Any, Dict, List, Optional
 
+from mlx_lm_patches.engine.traceless import seeded
+
 MODEL_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_vl", "qwen3_vl_moe")
 PROMPT_LENGTHS = (5, 9, 13)
 MAX_TOKENS = 6
@@ -89,8 +91,8 @@ def build(model_type: str, seed: int = 1, images: bool = False):
     cfg = config(model_type, images)
     arch, _ = get_model_and_args(cfg)
     model_config = update_module_configs(arch.ModelConfig.from_dict(cfg), arch, cfg, ["text", "vision"])
-    mx.random.seed(seed)
-    model = arch.Model(model_config)
+    with seeded(seed):  # the caller's random stream is left where it was
+        model = arch.Model(model_config)
     _randomize_parameters(model, model_type, seed, mx.float32)
     mx.eval(model.parameters())
     model.eval()
@@ -843,8 +845,8 @@ def _two_layer_language_model(language_module, model_type: str):
     model_config = configs.ModelConfig.from_dict(config(model_type))
     model_config.text_config = configs.TextConfig.from_dict(dict(text_config(model_type), num_hidden_layers=2))
     model_config.vision_config = configs.VisionConfig.from_dict(dict(_VISION, model_type=model_type))
-    mx.random.seed(0)
-    lm = language_module.LanguageModel(model_config.text_config, model_config)
+    with seeded(0):
+        lm = language_module.LanguageModel(model_config.text_config, model_config)
     mx.eval(lm.parameters())
     return lm
 

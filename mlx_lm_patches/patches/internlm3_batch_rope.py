@@ -29,15 +29,41 @@ Metal
 
 import sys
 
-from mlx_lm_patches.engine.contract import missing
+from mlx_lm_patches.engine.contract import NotNeeded, missing
 from mlx_lm_patches.patches.internlm2_batch_rope import per_row_dynamic_ntk, probe_class
 
 MODULE = "mlx_lm.models.internlm3"
 PID = "internlm3-batch-rope"
 
 
+def _ropes_in_use(module):
+    """The rotary embeddings internlm3's ``Attention`` builds, without and with ``rope_scaling``
+    of type dynamic (a one-layer-sized config; the weights are never used)."""
+    from mlx_lm_patches.engine.traceless import random_state_kept
+
+    base = {"model_type": "internlm3", "hidden_size": 8, "num_hidden_layers": 1,
+            "intermediate_size": 8, "num_attention_heads": 2, "rms_norm_eps": 1e-5, "vocab_size": 8}
+    ropes = []
+    with random_state_kept():  # nn.Linear draws its initial weights
+        for scaling in (None, {"rope_type": "dynamic", "factor": 2.0}):
+            ropes.append(module.Attention(module.ModelArgs.from_dict(dict(base, rope_scaling=scaling))).rope)
+    return ropes
+
+
 def probe():
-    return missing(f"{MODULE}:DynamicNTKScalingRoPE") or probe_class(sys.modules[MODULE].DynamicNTKScalingRoPE)
+    gone = missing(f"{MODULE}:DynamicNTKScalingRoPE", f"{MODULE}:Attention", f"{MODULE}:ModelArgs")
+    if gone:
+        return gone
+    module = sys.modules[MODULE]
+    cls = module.DynamicNTKScalingRoPE
+    used = [type(rope) for rope in _ropes_in_use(module)]
+    if not any(issubclass(t, cls) for t in used):
+        # main after #1606: the class is still defined, the attention builds its rope with
+        # initialize_rope (dynamic scaling: rope_utils' class, dynamic-ntk-rope-batch)
+        names = sorted({f"{t.__module__}.{t.__qualname__}" for t in used})
+        return NotNeeded(f"internlm3's attention builds {' / '.join(names)}, not its own "
+                         "DynamicNTKScalingRoPE: not needed")
+    return probe_class(cls)
 
 
 def apply(p):
