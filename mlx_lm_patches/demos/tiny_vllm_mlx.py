@@ -287,12 +287,14 @@ def mtp_forward_problem(inject_module) -> Optional[str]:
     Qwen3.5's language model ignore the embeddings it is handed (how mlx-vlm passes image
     features): after the injection, a call given ``inputs_embeds`` other than the tokens' own
     embeddings returns other logits than mlx-vlm's own forward. ``None`` where they agree."""
-    import tempfile
-
     import mlx.core as mx
     from mlx_vlm.models.cache import make_prompt_cache
 
-    with tempfile.TemporaryDirectory() as root:
+    from mlx_lm_patches.engine.traceless import random_state_kept, scratch_folder
+
+    # inject_mtp_support reads the head from disk: a private folder, removed afterwards; the
+    # head it builds (and the one written) draw their initial weights from mlx's stream
+    with scratch_folder() as root, random_state_kept():
         folder, model = vlm.write_model_folder(f"{root}/model", "qwen3_5")
         config = write_mtp_sidecar(folder)
         language_model = model.language_model

@@ -1,4 +1,4 @@
-"""Work that runs inside a user's process leaves mlx's global random state as it found it.
+"""Work that runs inside a user's process (probes) leaves no trace: mlx's random state, files.
 
 mlx draws from one implicit key per thread (``mx.random.state``) whenever a random function is
 called without ``key=`` - and ``mlx.nn`` layers draw their initial weights that way. A probe
@@ -8,7 +8,9 @@ that builds a tiny model would otherwise move the user's stream: ``mx.random.see
 * :func:`random_state_kept` - a block after which the calling thread's key is the one it had
   before (the engine runs every probe inside one);
 * :func:`seeded` - a block that draws from ``mx.random.seed(seed)`` (a reproducible tiny model)
-  and then puts the caller's key back.
+  and then puts the caller's key back;
+* :func:`scratch_folder` - a temporary folder for a library that only reads files, gone after
+  the block, ``tempfile``'s module state as before.
 
 The key is restored through ``mx.random.seed``: a key is the pair ``(seed >> 32, seed &
 0xFFFFFFFF)``, and from mlx 0.32 ``mx.random.state`` can be read but not assigned.
@@ -55,3 +57,18 @@ def seeded(seed: int):
     with random_state_kept():
         mx.random.seed(seed)
         yield
+
+
+@contextlib.contextmanager
+def scratch_folder():
+    """A private temporary folder for a library that reads only from disk, removed with
+    everything in it when the block ends; ``tempfile``'s cached temporary directory (set by its
+    first use) is put back as it was, so a later change of ``TMPDIR`` still counts."""
+    import tempfile
+
+    cached = tempfile.tempdir
+    try:
+        with tempfile.TemporaryDirectory(prefix="mlx-lm-patches-") as folder:
+            yield folder
+    finally:
+        tempfile.tempdir = cached

@@ -72,7 +72,7 @@ def probe():
     import mlx.core as mx
 
     gone = missing(f"{CACHE}:BatchKVCache", f"{MODULE}:ModelArgs", f"{MODULE}:Model")
-    if gone:
+    if gone is not None:
         return gone
     cache = sys.modules["mlx_lm.models.cache"].BatchKVCache([1, 0])
     model = _tiny_model()

@@ -52,7 +52,7 @@ def _ropes_in_use(module):
 
 def probe():
     gone = missing(f"{MODULE}:DynamicNTKScalingRoPE", f"{MODULE}:Attention", f"{MODULE}:ModelArgs")
-    if gone:
+    if gone is not None:
         return gone
     module = sys.modules[MODULE]
     cls = module.DynamicNTKScalingRoPE
