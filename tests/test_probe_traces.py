@@ -140,3 +140,22 @@ def test_seeded_stream_is_the_same_with_the_package_on_and_off():
         draws[enabled] = json.loads(ran.stdout.strip().splitlines()[-1])
     assert draws["0"][1] == [] and draws["1"][1], draws  # the probes did run with the package on
     assert draws["1"][0] == draws["0"][0], draws
+
+
+def test_random_state_kept_and_seeded_put_the_key_back():
+    """On this mlx (whose ``mx.random.state`` is read-only from 0.32): after draws inside
+    either block the stream continues where it was."""
+    import mlx.core as mx
+
+    from mlx_lm_patches.engine.traceless import random_state_kept, seeded
+
+    mx.random.seed(99)
+    mx.random.uniform(shape=(2,))  # a key that is not a fresh seed's
+    reference_key = mx.random.state[0].tolist()
+    expected = mx.random.uniform(shape=(3,)).tolist()
+    for block in (random_state_kept(), seeded(5)):
+        mx.random.seed((reference_key[0] << 32) | reference_key[1])
+        with block:
+            inside = mx.random.uniform(shape=(3,)).tolist()
+        assert mx.random.uniform(shape=(3,)).tolist() == expected
+    assert inside == (mx.random.seed(5) or mx.random.uniform(shape=(3,)).tolist())
