@@ -14,7 +14,9 @@ Fix
 Affected
     mlx-lm 0.28.4 - 0.31.3. From 0.32.0 internlm3 builds its rotary embedding with
     ``initialize_rope`` (the class is still defined but unused; dynamic scaling then goes through
-    ``rope_utils.DynamicNTKScalingRoPE``: ``dynamic-ntk-rope-batch``).
+    ``rope_utils.DynamicNTKScalingRoPE``: ``dynamic-ntk-rope-batch``). So the probe asks which
+    class internlm3's ``Attention`` builds before calling it: on a git or local install of main
+    (labelled 0.32.0 before its release, decided by the probe alone) the bug is absent.
 
 Upstream
     https://github.com/ml-explore/mlx-lm/blob/v0.31.3/mlx_lm/models/internlm3.py
@@ -46,7 +48,10 @@ def _ropes_in_use(module):
     ropes = []
     with random_state_kept():  # nn.Linear draws its initial weights
         for scaling in (None, {"rope_type": "dynamic", "factor": 2.0}):
-            ropes.append(module.Attention(module.ModelArgs.from_dict(dict(base, rope_scaling=scaling))).rope)
+            try:
+                ropes.append(module.Attention(module.ModelArgs.from_dict(dict(base, rope_scaling=scaling))).rope)
+            except (ValueError, TypeError, KeyError):  # a config this internlm3 rejects
+                continue
     return ropes
 
 
@@ -57,7 +62,7 @@ def probe():
     module = sys.modules[MODULE]
     cls = module.DynamicNTKScalingRoPE
     used = [type(rope) for rope in _ropes_in_use(module)]
-    if not any(issubclass(t, cls) for t in used):
+    if used and not any(issubclass(t, cls) for t in used):
         # main after #1606: the class is still defined, the attention builds its rope with
         # initialize_rope (dynamic scaling: rope_utils' class, dynamic-ntk-rope-batch)
         names = sorted({f"{t.__module__}.{t.__qualname__}" for t in used})
