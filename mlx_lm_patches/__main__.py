@@ -6,7 +6,8 @@
   per patch, read from the live objects after importing ``mlx_lm`` the way a user would. Exit 1
   if a patch failed.
 * ``check [--json] [IDS...]`` – the main job: demonstrate every applicable fix live (see
-  ``check.py``). Exit 1 if a fix does not hold.
+  ``check.py``), one patch's lines printed as soon as it is judged, then the counts of fixed /
+  not needed / not applicable / disabled patches and gaps. Exit 1 if there is a gap.
 * ``run -m MODULE [ARGS...]`` / ``run SCRIPT [ARGS...]`` – apply explicitly, then run a module
   or script in this process (for ``python -S``, frozen apps, or no ``.pth``).
 * ``table`` – the README table of patches, generated from compat_matrix.yaml.
@@ -117,14 +118,25 @@ def _check(args) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from mlx_lm_patches.engine import check
 
+    # the report streams: one patch's lines as soon as it is judged (text on stdout; with
+    # --json, its verdict line on stderr and the JSON on stdout at the end)
+    report = sys.stderr if args.json else sys.stdout
+
+    def show(lines):
+        print("\n".join(lines), file=report, flush=True)
+
+    if not args.json:
+        show([check.header(), ""])
     # what the scenarios' mlx-lm calls print (e.g. convert's "[INFO] Quantizing") goes to
     # stderr: stdout carries the report alone
     with contextlib.redirect_stdout(sys.stderr):
-        results = check.run_check(args.ids or None)
+        results = check.run_check(args.ids or None,
+                                  on_result=lambda r: show(check.format_result(r)[:1 if args.json else None]))
     if args.json:
+        show([check.summary(results)])
         print(json.dumps(check.report_dict(results), indent=2))
     else:
-        print(check.format_report(results))
+        show([check.format_footer(results)])
     before, again = check.restored
     return 0 if all(r.holds for r in results) and len(again) == len(before) else 1
 

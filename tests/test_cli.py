@@ -31,8 +31,12 @@ def test_status_json_lists_every_patch_with_its_state(the_matrix):
         # A patch anchored on a module that `import mlx_lm` does not import (e.g.
         # mlx_lm.models.gpt_bigcode) waits for it: "pending" until a model of that family loads.
         waiting = anchor not in imported
-        ruled_out = "skipped:version" if the_matrix.get(pid).version_verdict(versions.installed) is not None else "skipped:probe"
-        expected = ("pending" if waiting else "applied") if affected(pid) else ruled_out
+        if the_matrix.get(pid).version_verdict(versions.installed) is False:
+            expected = "skipped:version"  # a release outside the range (or a package missing)
+        elif waiting:  # in range, or probe only (not a release): its probe waits for the anchor
+            expected = "pending"
+        else:
+            expected = "applied" if affected(pid) else "skipped:probe"
         assert row["state"] == expected, row
         assert row["summary"] and row["affected"] and row["targets"] and row["upstream"]
 
@@ -87,33 +91,68 @@ def test_check_demonstrates_every_fix(the_matrix, check_report):
     for pid, row in judged.items():
         assert row["holds"], row
         if row["verdict"].startswith("not applicable here"):
+            assert row["outcome"] == "not applicable", row
             continue
         if affected(pid):
             assert row["verdict"] == "fixed: stock mlx-lm fails, patched mlx-lm is exact", row
             assert row["stock"]["ok"] is False and row["patched"]["ok"] is True, row
+            assert row["outcome"] == "fixed", row
         else:
             assert row["verdict"] == "not needed: stock mlx-lm is correct", row
             assert row["stock"]["ok"] is True and row["patched"] is None, row
+            assert row["outcome"] == "not needed", row
     assert check_report["held"] == check_report["total"] == len(judged)
+    # the counts are of what ran: a patch whose scenario could not run is not counted as fixed
+    counts = check_report["counts"]
+    assert counts == {name: sum(r["outcome"] == name for r in judged.values())
+                      for name in ("fixed", "not needed", "not applicable", "disabled", "gap")}
+    assert counts["gap"] == 0 and counts["disabled"] == 0, counts
     assert check_report["applied_again"] == check_report["applied_before"]
+
+
+def _check_streamed(*args):
+    """``check`` in a fresh interpreter: ``(exit code, [(seconds since start, stdout line)],
+    stderr)``, each line timed as it arrives."""
+    import subprocess
+    import sys
+    import time
+
+    from conftest import clean_env
+
+    start = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-m", "mlx_lm_patches", "check", *args], cwd="/",
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env())
+    lines = [(time.monotonic() - start, line.rstrip("\n")) for line in proc.stdout]
+    stderr = proc.stderr.read()
+    return proc.wait(timeout=600), lines, stderr
 
 
 @pytest.mark.release_only
 def test_check_text_report(the_matrix):
-    """What a user reads: one line per patch judged, its scenario runs under it, the totals;
-    nothing but the report on stdout."""
-    pid = "mamba-cache-compat"
-    ran = run_python(None, "-m", "mlx_lm_patches", "check", pid, timeout=600)
-    assert ran.returncode == 0, ran.stdout + ran.stderr
-    lines = ran.stdout.splitlines()
+    """What a user reads: one line per patch judged as soon as it is judged (streamed, not at
+    the end), its scenario runs under it, then the counts; nothing but the report on stdout."""
+    pids = ["mamba-cache-compat", "recurrent-rollback"]  # the second one takes seconds
+    code, timed, stderr = _check_streamed(*pids)
+    lines = [line for _, line in timed]
+    assert code == 0, "\n".join(lines) + stderr
     assert lines[0].startswith("mlx-lm-patches check on mlx-lm "), lines[0]
-    verdict = next(l for l in lines if l.startswith("["))
+    verdicts = [(at, line) for at, line in timed if line.startswith("[")]
+    assert [line.split()[2] for _, line in verdicts] == pids, lines
+    pid, verdict = pids[0], verdicts[0][1]
     assert re.match(rf"^\[ok  \] {pid} \((applied|skipped:version|skipped:probe), \d+\.\ds\): ", verdict), verdict
     want = "fixed: stock mlx-lm fails, patched mlx-lm is exact" if affected(pid) else "not needed: stock mlx-lm is correct"
     assert verdict.endswith(want), verdict
-    assert any(l.startswith("       stock mlx-lm") for l in lines), ran.stdout
-    assert "1/1 fixes hold" in lines
-    assert re.search(r"^applied again after check: (\d+)/\1$", ran.stdout, re.M), ran.stdout
+    assert any(l.startswith("       stock mlx-lm") for l in lines), lines
+    # the first patch's lines arrived before the second patch's scenario ran
+    second = float(re.search(r"\((?:[a-z:]+), (\d+\.\d)s\)", verdicts[1][1]).group(1))
+    assert verdicts[0][0] < timed[-1][0] - second + 0.5, (timed, second)
+    outcomes = {"fixed": 0, "not needed (stock correct)": 0, "not applicable": 0, "disabled": 0}
+    for _, line in verdicts:
+        outcome = ("not applicable" if "not applicable here" in line else
+                   "fixed" if "fixed:" in line else "not needed (stock correct)")
+        outcomes[outcome] += 1
+    assert ("check: " + ", ".join(f"{n} {name}" for name, n in outcomes.items()) + ", 0 gaps") in lines, lines
+    assert re.search(r"^applied again after check: (\d+)/\1$", "\n".join(lines), re.M), lines
 
 
 def test_check_unknown_id_is_a_clear_error():

@@ -167,6 +167,32 @@ PATCHES = {
         def apply(p):
             raise AssertionError("must not be called")
     """,
+    "leans_on_other.py": """
+        import sys
+
+        from mlx_lm_patches.engine.contract import Outcome
+
+        def probe():  # sees the "bug" only where added-attr's change is in place
+            return "NEW is there" if hasattr(sys.modules["{lib}.core"], "NEW") else None
+
+        def apply(p):
+            p.set("{lib}.core:LEANS", 1)
+
+        def scenario():
+            return Outcome(True, "stock is correct")
+    """,
+    "stock_fails.py": """
+        from mlx_lm_patches.engine.contract import Outcome
+
+        def probe():
+            return None
+
+        def apply(p):
+            raise AssertionError("must not be called")
+
+        def scenario():
+            return Outcome(False, "stock is wrong")
+    """,
     "deferred.py": """
         def probe():
             return True
@@ -200,6 +226,8 @@ patches:
   - {{id: gone-target, summary: s, affected: ">=1.0", fixed_in: null, upstream: [], targets: ["{lib}.core:Removed.__call__"], probe: p}}
   - {{id: alternative-targets, summary: s, affected: ">=1.0", fixed_in: null, upstream: [], targets: ["{lib}.core:Later.method?", "{lib}.core:Cache.trim?"], probe: p}}
   - {{id: not-needed-reason, summary: s, affected: ">=1.0", fixed_in: null, upstream: [], targets: ["{lib}.core:Cache"], probe: p}}
+  - {{id: leans-on-other, summary: s, affected: ">=1.0", fixed_in: null, upstream: [], targets: ["{lib}.core:LEANS"], probe: p}}
+  - {{id: stock-fails, summary: s, affected: ">=1.0", fixed_in: null, upstream: [], targets: ["{lib}.core:Cache"], probe: p}}
   - {{id: deferred, summary: s, affected: ">=1.0", fixed_in: null, upstream: [], targets: ["{lib}.core:Cache", "{lib}.extra:thing", "{lib}.extra:Box.get?", "{lib}.extra:Gone.get?", "{lib}.extra:forwarded?", "{lib}.extra:Base.get?", "{lib}.extra:Inheriting.get?", "{lib}.extra:Overriding.get?"], probe: p}}
 """
 
@@ -708,3 +736,24 @@ def test_needs_is_validated_and_transitive(tmp_path):
         parse({"a": ", needs: b"})
     with pytest.raises(matrix.MatrixError, match="needs names the patch itself"):
         parse({"a": ", needs: [a]"})
+
+
+def test_check_judges_a_patch_applied_only_beside_others_as_skipped(fake):
+    """A patch whose probe finds the bug only through another patch's change (mlx-lm main:
+    mamba-cache-extract-class beside mamba-cache-compat's restored MambaCache) is judged by
+    ``check`` as a skipped one: stock correct -> "not needed", not "did not apply alone"; a
+    skipped patch whose stock scenario fails is a gap; the outcomes are counted apart."""
+    from mlx_lm_patches.engine import check
+
+    fake.engine.request(["added-attr", "leans-on-other", "stock-fails"])
+    assert fake.state("leans-on-other") is State.APPLIED  # as a user gets it, beside added-attr
+    assert fake.state("stock-fails") is State.SKIPPED_PROBE
+    results = [check.check_patch(fake.engine, pid) for pid in ("leans-on-other", "stock-fails")]
+    leaning, failing = results
+    assert (leaning.state, leaning.outcome, leaning.holds) == ("skipped:probe", check.NOT_NEEDED, True), leaning
+    assert leaning.verdict == "not needed: stock mlx-lm is correct" and leaning.with_patch is None
+    assert (failing.outcome, failing.holds) == (check.GAP, False), failing
+    assert failing.verdict.startswith("GAP: skipped, yet stock mlx-lm fails")
+    assert check.counts(results) == {"fixed": 0, "not needed": 1, "not applicable": 0, "disabled": 0, "gap": 1}
+    assert check.summary(results) == ("check: 0 fixed, 1 not needed (stock correct), 0 not applicable, "
+                                      "0 disabled, 1 gap")

@@ -16,6 +16,7 @@ import pytest
 import mlx_lm_patches
 from conftest import affected, xfail_if_affected
 from mlx_lm_patches.engine import matrix
+from mlx_lm_patches.engine import versions
 
 IDS = matrix.load().ids()
 
@@ -56,6 +57,8 @@ def test_engine_state_agrees_with_the_matrix(pid, patched, judged):
     row = patched[pid]
     if affected(pid):
         assert row.state == "applied", f"{pid}: {row.state} ({row.detail})"
+    elif matrix.load().get(pid).version_verdict(versions.installed) is None:
+        assert row.state == "skipped:probe", f"{pid}: {row.state} ({row.detail})"  # probe only
     else:
         assert row.state == "skipped:version", f"{pid}: {row.state} ({row.detail})"
     assert judged[pid]["state"] == row.state, f"{pid}: check judged it {judged[pid]['state']}"

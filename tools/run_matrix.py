@@ -31,9 +31,9 @@ What keeps a full run inside CI's budget (2 cores), without dropping a cell:
   over HTTP, distributed launches, import/apply/revert orders) depend on the mlx-lm release, not
   on mlx: they run on the release's own row (its release-time mlx) and are deselected on a row
   that only pairs the same release with a newer mlx; that row runs everything else in-process.
-* A row with further ``packages`` runs the tests of those packages, the matrix cells and the CLI
-  (``PACKAGE_TESTS``, ``PACKAGE_ROW_TESTS``): everything else is its mlx-lm release's, proven on the
-  release's own row.
+* A row with further ``packages`` runs the tests of those packages, the matrix cells, the CLI and
+  the probes' traces (``PACKAGE_TESTS``, ``PACKAGE_ROW_TESTS``): everything else is its mlx-lm
+  release's, proven on the release's own row.
 * Packages whose default install drags in what no test uses are installed without their
   dependencies, plus the ones their tested code imports (``WITHOUT_DEPENDENCIES``): a default
   vllm-mlx install pulls torch with CUDA wheels (~2.5 GB) through torchvision.
@@ -71,7 +71,7 @@ WORK = REPO / ".matrix"
 PACKAGE_TESTS = {"mlx-vlm": ["tests/test_mlx_vlm_batching.py"], "vllm-mlx": ["tests/test_vllm_mlx.py"]}
 # package -> what its engine and server import beyond mlx-lm's and mlx-vlm's dependencies
 WITHOUT_DEPENDENCIES = {"vllm-mlx": ["jsonschema"]}
-PACKAGE_ROW_TESTS = ["tests/test_matrix_cells.py", "tests/test_cli.py"]
+PACKAGE_ROW_TESTS = ["tests/test_matrix_cells.py", "tests/test_cli.py", "tests/test_probe_traces.py"]
 # seconds each row's tests took in the last full runs: the order groups are scheduled in
 DURATIONS = REPO / "tools" / "matrix_durations.json"
 KERNEL_CACHES = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "mlx-lm-patches" / "mlx-tmp"

@@ -52,6 +52,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlx_lm_patches.engine.traceless import seeded
+
 __all__ = [
     "HYBRID_MODEL_TYPES",
     "DENSE_MODEL_TYPE",
@@ -1184,8 +1186,8 @@ def build_tiny_model(model_type: str, seed: int = 0, dtype=mx.float32, overrides
             name=f"mlx_lm.models.{model_type}",
         )
     model_cls, args_cls = _model_classes(config, model_type)
-    mx.random.seed(seed)
-    model = model_cls(args_cls.from_dict(config))
+    with seeded(seed):  # the caller's random stream is left where it was
+        model = model_cls(args_cls.from_dict(config))
     _randomize_parameters(model, model_type, seed, dtype)
     mx.eval(model.parameters())
     model.eval()

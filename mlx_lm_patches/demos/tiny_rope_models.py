@@ -23,6 +23,7 @@ it low:
 from typing import Any, Dict, List, Optional, Tuple
 
 from mlx_lm_patches.demos import tiny_models
+from mlx_lm_patches.engine.traceless import seeded
 
 THRESHOLD_IN_DECODE = 12
 THRESHOLD_IN_PREFILL = 8
@@ -91,8 +92,8 @@ def build(model_type: str, config: Dict[str, Any], seed: int = 1):
     import mlx.core as mx
 
     model_cls, args_cls = tiny_models._model_classes(config, model_type)
-    mx.random.seed(seed)
-    model = model_cls(args_cls.from_dict(dict(config)))
+    with seeded(seed):  # the caller's random stream is left where it was
+        model = model_cls(args_cls.from_dict(dict(config)))
     tiny_models._randomize_parameters(model, model_type, seed, mx.float32)
     mx.eval(model.parameters())
     model.eval()

@@ -233,8 +233,9 @@ def attention_replacement_problem(vllm_patch_module) -> Optional[str]:
     attention = next(layer.self_attn for layer in model.language_model.model.layers
                      if hasattr(layer, "self_attn"))
     hidden = attention.q_proj.weight.shape[1]
-    mx.random.seed(3)
-    prompt, step = mx.random.normal((2, 3, hidden)), mx.random.normal((2, 1, hidden))
+    prompt_key, step_key = mx.random.split(mx.random.key(3))
+    prompt = mx.random.normal((2, 3, hidden), key=prompt_key)
+    step = mx.random.normal((2, 1, hidden), key=step_key)
 
     def decode(call):
         cache = BatchKVCache([2, 0])
@@ -286,12 +287,14 @@ def mtp_forward_problem(inject_module) -> Optional[str]:
     Qwen3.5's language model ignore the embeddings it is handed (how mlx-vlm passes image
     features): after the injection, a call given ``inputs_embeds`` other than the tokens' own
     embeddings returns other logits than mlx-vlm's own forward. ``None`` where they agree."""
-    import tempfile
-
     import mlx.core as mx
     from mlx_vlm.models.cache import make_prompt_cache
 
-    with tempfile.TemporaryDirectory() as root:
+    from mlx_lm_patches.engine.traceless import random_state_kept, scratch_folder
+
+    # inject_mtp_support reads the head from disk: a private folder, removed afterwards; the
+    # head it builds (and the one written) draw their initial weights from mlx's stream
+    with scratch_folder() as root, random_state_kept():
         folder, model = vlm.write_model_folder(f"{root}/model", "qwen3_5")
         config = write_mtp_sidecar(folder)
         language_model = model.language_model

@@ -22,9 +22,13 @@ The checks compare batched text generation with the model's single-sequence path
 Importing this module does not import mlx-vlm; :func:`available` says whether it is installed.
 """
 
+import contextlib
 import functools
 import importlib.util
 from typing import Any, Dict, List, Optional
+
+from mlx_lm_patches.engine import bytecode
+from mlx_lm_patches.engine.traceless import seeded
 
 MODEL_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_vl", "qwen3_vl_moe")
 PROMPT_LENGTHS = (5, 9, 13)
@@ -89,8 +93,8 @@ def build(model_type: str, seed: int = 1, images: bool = False):
     cfg = config(model_type, images)
     arch, _ = get_model_and_args(cfg)
     model_config = update_module_configs(arch.ModelConfig.from_dict(cfg), arch, cfg, ["text", "vision"])
-    mx.random.seed(seed)
-    model = arch.Model(model_config)
+    with seeded(seed):  # the caller's random stream is left where it was
+        model = arch.Model(model_config)
     _randomize_parameters(model, model_type, seed, mx.float32)
     mx.eval(model.parameters())
     model.eval()
@@ -103,6 +107,25 @@ def prompts() -> List[List[int]]:
     return [prompt_tokens(n, seed=n) for n in PROMPT_LENGTHS]
 
 
+@contextlib.contextmanager
+def _no_tqdm_monitor_left():
+    """mlx-vlm's chunked prefill opens a (disabled) tqdm bar, and tqdm starts its monitor thread
+    for the first bar of a process: a probe stops the one it started."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        yield
+        return
+    before = getattr(tqdm, "monitor", None)
+    try:
+        yield
+    finally:
+        started = getattr(tqdm, "monitor", None)
+        if before is None and started is not None:
+            started.exit()
+            tqdm.monitor = None
+
+
 def single(model, prompt, max_tokens: int = MAX_TOKENS):
     """The reference: mlx-vlm's ``generate_step`` of ``prompt`` alone (text only)."""
     import mlx.core as mx
@@ -111,10 +134,11 @@ def single(model, prompt, max_tokens: int = MAX_TOKENS):
     from mlx_lm_patches.demos.scenarios import Decoded
 
     tokens, logprobs = [], []
-    steps = generate_step(mx.array([prompt]), model, None, None, max_tokens=max_tokens)
-    for token, logprob in steps:
-        tokens.append(int(token))
-        logprobs.append(logprob)
+    with _no_tqdm_monitor_left():
+        steps = generate_step(mx.array([prompt]), model, None, None, max_tokens=max_tokens)
+        for token, logprob in steps:
+            tokens.append(int(token))
+            logprobs.append(logprob)
     mx.eval(logprobs)
     return Decoded(tokens, logprobs)
 
@@ -208,7 +232,6 @@ def apc_mixed_prefill_problem(model_type: str = "qwen3_5", max_tokens: int = MAX
     extension of the latter alone, must each be answered as alone without the cache (greedy
     tokens, chosen log-probabilities within 1e-4). ``None`` if they are; ``"no hit"`` if the
     cache was never hit (nothing shown); else what differs."""
-    import inspect
     import types
 
     import mlx.core as mx
@@ -223,7 +246,7 @@ def apc_mixed_prefill_problem(model_type: str = "qwen3_5", max_tokens: int = MAX
     shared, extended = first[:30] + prompt_tokens(10, seed=4), first + prompt_tokens(10, seed=5)
     later = extended + prompt_tokens(8, seed=6)  # (the cache keeps few snapshots: the newest)
     generator_class = _generation_module().BatchGenerator
-    salted = "_apc_semantic_hash" in inspect.getsource(generator_class)  # >= 0.6.17 keys on it
+    salted = any("_apc_semantic_hash" in n for n in bytecode.class_names(generator_class))  # >= 0.6.17 keys on it
 
     def answer(generator, rows):
         kwargs = []
@@ -843,8 +866,8 @@ def _two_layer_language_model(language_module, model_type: str):
     model_config = configs.ModelConfig.from_dict(config(model_type))
     model_config.text_config = configs.TextConfig.from_dict(dict(text_config(model_type), num_hidden_layers=2))
     model_config.vision_config = configs.VisionConfig.from_dict(dict(_VISION, model_type=model_type))
-    mx.random.seed(0)
-    lm = language_module.LanguageModel(model_config.text_config, model_config)
+    with seeded(0):
+        lm = language_module.LanguageModel(model_config.text_config, model_config)
     mx.eval(lm.parameters())
     return lm
 
@@ -927,11 +950,18 @@ def gated_delta_advance_problem(language_module) -> Optional[str]:
     """Evidence that ``Qwen3_5GatedDeltaNet.__call__`` leaves a left-padded ``ArraysCache``'s
     padding where it was (so the next step's mask hides the row's new token), or None."""
     import mlx.core as mx
-    from mlx_lm.models.cache import ArraysCache
+    from mlx_lm.models import cache as lm_cache
 
+    from mlx_lm_patches.engine.traceless import random_state_kept
+
+    try:  # mlx-vlm's own cache classes where it has them (0.7: the layer calls update_window)
+        from mlx_vlm.models.cache import ArraysCache
+    except ImportError:
+        ArraysCache = lm_cache.ArraysCache
     package = language_module.__name__.rsplit(".", 1)[0]
     config_module = importlib.import_module(f"{package}.config")
-    layer = language_module.Qwen3_5GatedDeltaNet(config_module.TextConfig.from_dict(text_config("qwen3_5")))
+    with random_state_kept():  # the layer's weights are drawn, and never matter here
+        layer = language_module.Qwen3_5GatedDeltaNet(config_module.TextConfig.from_dict(text_config("qwen3_5")))
     cache = ArraysCache(2, left_padding=[1, 0])
     before = cache.left_padding.tolist()
     inputs = mx.zeros((2, 2, 64))

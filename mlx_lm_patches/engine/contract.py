@@ -5,9 +5,22 @@ A patch is a module ``mlx_lm_patches.patches.<id with underscores>`` named by it
 link and when it can be retired (paragraphs headed ``Bug``, ``Fix``, ``Affected``, ``Upstream``
 and ``Retire``, each on a line of its own), and it defines:
 
-* ``probe()`` – cheap and side-effect free; runs once the anchor module is imported. Returns a
-  truthy value (a string: the evidence) when the bug is present, falsy when it is absent; a
-  target that no longer exists means "not needed" (falsy), never an exception.
+* ``probe()`` – cheap; runs once the anchor module is imported, inside the user's process.
+  Returns a truthy value (a string: the evidence) when the bug is present, falsy when it is
+  absent; a target that no longer exists means "not needed" (falsy), never an exception.
+  A probe leaves no trace:
+
+  - mlx's global random state is untouched: tiny models are built inside
+    :func:`~mlx_lm_patches.engine.traceless.seeded` (or draw with explicit ``key=``), and the
+    engine saves and restores the key around every probe and ``apply`` besides;
+  - no file is left behind and no process-wide setting changes (environment variables,
+    ``tempfile``'s cached directory, default device or stream, ``sys.path``, threads left
+    running); a probe that must hand a library a folder uses
+    :func:`~mlx_lm_patches.engine.traceless.scratch_folder`;
+  - it decides the same whether or not sources are installed: code is read from code objects
+    (:mod:`~mlx_lm_patches.engine.bytecode`), never with ``inspect.getsource``.
+
+  tests/test_probe_traces.py runs every probe whose anchor imports and checks all three.
 * ``apply(p)`` – installs the fix through the :class:`~mlx_lm_patches.engine.patching.Patcher`
   ``p``; the engine reverts it through the same record.
 * ``scenario()`` – what a user does, on a tiny model: returns an :class:`Outcome`, ``ok`` when
@@ -39,7 +52,8 @@ class NotNeeded:
 def missing(*targets: str) -> Optional[NotNeeded]:
     """``NotNeeded`` naming the first ``module:Qual.name`` of ``targets`` that this mlx-lm lacks
     (its module not imported, or an attribute on the way absent), else ``None``. For probes that
-    reach for objects beyond their declared targets (the engine checks those)."""
+    reach for objects beyond their declared targets (the engine checks those). Both answers are
+    falsy: test with ``is not None``."""
     for target in targets:
         module_name, _, qualname = target.partition(":")
         owner = sys.modules.get(module_name)

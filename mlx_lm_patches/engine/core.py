@@ -7,7 +7,9 @@ mlx-lm (or the distribution the patch names as its ``package``, e.g. mlx-vlm) mi
 (``pending``); when it is imported, a declared target whose owner is missing from an imported
 module -> ``skipped:probe`` ("target X missing in this mlx-lm: not needed"); otherwise the patch
 module's ``probe()`` looks for the bug: absent -> ``skipped:probe``, present -> ``apply(patcher)``
--> ``applied`` (or ``failed``; a probe that raises is a real bug). ``revert`` restores the
+-> ``applied`` (or ``failed``; a probe that raises is a real bug). Probes and ``apply`` run with
+mlx's random key saved and restored (:mod:`~mlx_lm_patches.engine.traceless`): whatever a probe
+builds, the user's seeded stream draws the same as without the package. ``revert`` restores the
 original objects -> ``reverted``.
 
 The gate (:meth:`Engine.gate_rule`): for a published release the affected range rules patches
@@ -35,6 +37,7 @@ from mlx_lm_patches.engine import matrix
 from mlx_lm_patches.engine import versions
 from mlx_lm_patches.engine.contract import NotNeeded
 from mlx_lm_patches.engine.patching import Patcher, owner_of, split_target
+from mlx_lm_patches.engine.traceless import random_state_kept
 
 log = logging.getLogger("mlx_lm_patches")
 
@@ -281,7 +284,8 @@ class Engine:
                 return
             try:
                 patch_module = self.patch_module(spec.id)
-                evidence = patch_module.probe()
+                with random_state_kept():  # a probe leaves the user's random stream alone
+                    evidence = patch_module.probe()
             except Exception as exc:
                 self._fail(rec, f"probe raised {type(exc).__name__}: {exc}", exc)
                 return
@@ -295,7 +299,8 @@ class Engine:
             rec.patcher = patcher
             rec.active = True
             try:
-                patch_module.apply(patcher)
+                with random_state_kept():
+                    patch_module.apply(patcher)
             except Exception as exc:
                 rec.active = False
                 patcher.revert()

@@ -108,7 +108,7 @@ def probe():
     if hasattr(cm.ArraysCache, "merge"):
         return None
     gone = missing(f"{GENERATE}:_merge_caches")
-    if gone:
+    if gone is not None:
         return gone
     row = cm.ArraysCache(1)
     import mlx.core as mx

@@ -65,7 +65,7 @@ def _from_state(cls, state, meta_state):
 
 def probe():
     gone = missing(f"{CACHE}:ArraysCache")
-    if gone:
+    if gone is not None:
         return gone
     cache_module = sys.modules[CACHE]
     import mlx.core as mx

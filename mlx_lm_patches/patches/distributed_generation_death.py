@@ -54,13 +54,13 @@ Metal
 """
 
 import atexit
-import inspect
 import logging
 import os
 import sys
 import threading
 import time
 
+from mlx_lm_patches.engine import bytecode
 from mlx_lm_patches.engine.contract import NotNeeded, Outcome
 
 SERVER = "mlx_lm.server"
@@ -155,11 +155,12 @@ def _end_the_rank(group, what, exc):
 
 def probe():
     generator = sys.modules[SERVER].ResponseGenerator
-    if "_is_distributed" not in inspect.getsource(generator.__init__):
+    # read from the code objects, not the sources (an install may ship bytecode only)
+    if "_is_distributed" not in bytecode.names(generator.__init__):
         return NotNeeded("this mlx_lm.server does not run distributed")
     ends = [getattr(generator, name, None) for name in ("_run_generate", "_generate")]
-    if any(f is not None and "_exit" in inspect.getsource(f) for f in ends):
-        return None  # mlx-lm ends the process itself
+    if any(f is not None and any("_exit" in n for n in bytecode.names(f)) for f in ends):
+        return None  # mlx-lm ends the process itself (os._exit)
     return "ResponseGenerator keeps a rank alive after its generation loop died (the other ranks wait forever)"
 
 

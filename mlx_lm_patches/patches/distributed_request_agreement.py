@@ -39,9 +39,9 @@ Not covered
     are all in (docs/distributed.md).
 """
 
-import inspect
 import sys
 
+from mlx_lm_patches.engine import bytecode
 from mlx_lm_patches.engine.contract import NotNeeded, Outcome
 
 SERVER = "mlx_lm.server"
@@ -94,7 +94,8 @@ def probe():
     generator = sys.modules[SERVER].ResponseGenerator
     if not hasattr(generator, "_share_request") or not hasattr(generator, "_tokenize"):
         return NotNeeded("this mlx_lm.server does not share requests across ranks")
-    if "distributed" in inspect.getsource(generator._tokenize):
+    # read from the code object, not the source (an install may ship bytecode only)
+    if any("distributed" in n for n in bytecode.names(generator._tokenize)):
         return None  # the ranks already agree on a tokenization failure
     return "ResponseGenerator._tokenize fails on one rank without telling the others"
 

@@ -31,6 +31,7 @@ Metal
 import sys
 
 from mlx_lm_patches.engine.contract import Outcome, missing
+from mlx_lm_patches.engine.traceless import seeded
 
 MODULE = "mlx_lm.models.gpt_bigcode"
 CACHE = "mlx_lm.models.cache"
@@ -61,8 +62,8 @@ def _tiny_model():
     module = sys.modules.get(MODULE) or __import__(MODULE, fromlist=["Model"])
     args = module.ModelArgs(model_type="gpt_bigcode", n_embd=64, n_layer=2, n_inner=128, n_head=4,
                             n_positions=256, layer_norm_epsilon=1e-5, vocab_size=256)
-    mx.random.seed(0)
-    model = module.Model(args)
+    with seeded(0):
+        model = module.Model(args)
     mx.eval(model.parameters())
     return model
 
@@ -71,7 +72,7 @@ def probe():
     import mlx.core as mx
 
     gone = missing(f"{CACHE}:BatchKVCache", f"{MODULE}:ModelArgs", f"{MODULE}:Model")
-    if gone:
+    if gone is not None:
         return gone
     cache = sys.modules["mlx_lm.models.cache"].BatchKVCache([1, 0])
     model = _tiny_model()

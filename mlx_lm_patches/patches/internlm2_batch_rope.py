@@ -80,7 +80,10 @@ def probe_class(cls):
 
 
 def probe():
-    return missing(f"{MODULE}:DynamicNTKScalingRoPE") or probe_class(sys.modules[MODULE].DynamicNTKScalingRoPE)
+    gone = missing(f"{MODULE}:DynamicNTKScalingRoPE")
+    if gone is not None:  # (a NotNeeded is falsy)
+        return gone
+    return probe_class(sys.modules[MODULE].DynamicNTKScalingRoPE)
 
 
 def apply(p):

@@ -14,7 +14,9 @@ Fix
 Affected
     mlx-lm 0.28.4 - 0.31.3. From 0.32.0 internlm3 builds its rotary embedding with
     ``initialize_rope`` (the class is still defined but unused; dynamic scaling then goes through
-    ``rope_utils.DynamicNTKScalingRoPE``: ``dynamic-ntk-rope-batch``).
+    ``rope_utils.DynamicNTKScalingRoPE``: ``dynamic-ntk-rope-batch``). So the probe asks which
+    class internlm3's ``Attention`` builds before calling it: on a git or local install of main
+    (labelled 0.32.0 before its release, decided by the probe alone) the bug is absent.
 
 Upstream
     https://github.com/ml-explore/mlx-lm/blob/v0.31.3/mlx_lm/models/internlm3.py
@@ -29,15 +31,44 @@ Metal
 
 import sys
 
-from mlx_lm_patches.engine.contract import missing
+from mlx_lm_patches.engine.contract import NotNeeded, missing
 from mlx_lm_patches.patches.internlm2_batch_rope import per_row_dynamic_ntk, probe_class
 
 MODULE = "mlx_lm.models.internlm3"
 PID = "internlm3-batch-rope"
 
 
+def _ropes_in_use(module):
+    """The rotary embeddings internlm3's ``Attention`` builds, without and with ``rope_scaling``
+    of type dynamic (a one-layer-sized config; the weights are never used)."""
+    from mlx_lm_patches.engine.traceless import random_state_kept
+
+    base = {"model_type": "internlm3", "hidden_size": 8, "num_hidden_layers": 1,
+            "intermediate_size": 8, "num_attention_heads": 2, "rms_norm_eps": 1e-5, "vocab_size": 8}
+    ropes = []
+    with random_state_kept():  # nn.Linear draws its initial weights
+        for scaling in (None, {"rope_type": "dynamic", "factor": 2.0}):
+            try:
+                ropes.append(module.Attention(module.ModelArgs.from_dict(dict(base, rope_scaling=scaling))).rope)
+            except (ValueError, TypeError, KeyError):  # a config this internlm3 rejects
+                continue
+    return ropes
+
+
 def probe():
-    return missing(f"{MODULE}:DynamicNTKScalingRoPE") or probe_class(sys.modules[MODULE].DynamicNTKScalingRoPE)
+    gone = missing(f"{MODULE}:DynamicNTKScalingRoPE", f"{MODULE}:Attention", f"{MODULE}:ModelArgs")
+    if gone is not None:
+        return gone
+    module = sys.modules[MODULE]
+    cls = module.DynamicNTKScalingRoPE
+    used = [type(rope) for rope in _ropes_in_use(module)]
+    if used and not any(issubclass(t, cls) for t in used):
+        # main after #1606: the class is still defined, the attention builds its rope with
+        # initialize_rope (dynamic scaling: rope_utils' class, dynamic-ntk-rope-batch)
+        names = sorted({f"{t.__module__}.{t.__qualname__}" for t in used})
+        return NotNeeded(f"internlm3's attention builds {' / '.join(names)}, not its own "
+                         "DynamicNTKScalingRoPE: not needed")
+    return probe_class(cls)
 
 
 def apply(p):

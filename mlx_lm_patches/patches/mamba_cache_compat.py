@@ -89,7 +89,13 @@ def _make_class(arrays_cache):
 
     MambaCache.__module__ = CACHE
     MambaCache.__qualname__ = "MambaCache"
+    MambaCache._mlx_lm_patches_restored = True
     return MambaCache
+
+
+def restored(cls) -> bool:
+    """``cls`` is the ``MambaCache`` this patch put back (not one mlx-lm defines)."""
+    return bool(vars(cls).get("_mlx_lm_patches_restored"))
 
 
 def _init_wrapper(wrapped, instance, args, kwargs):

@@ -15,7 +15,9 @@ Fix
     older releases (``arrays-cache-extract``).
 
 Affected
-    mlx-lm 0.30.4 - 0.30.5 (0.30.6 removed ``MambaCache`` and the ``isinstance`` check).
+    mlx-lm 0.30.4 - 0.30.5 (0.30.6 removed ``MambaCache`` and the ``isinstance`` check). The
+    ``MambaCache`` that ``mamba-cache-compat`` puts back on later releases is not mlx-lm's own:
+    nothing there asks for the class, and the probe says not needed.
 
 Upstream
     https://github.com/ml-explore/mlx-lm/blob/v0.30.5/mlx_lm/models/cache.py (``ArraysCache.extract``);
@@ -31,7 +33,7 @@ Metal
 import importlib
 import sys
 
-from mlx_lm_patches.engine.contract import Outcome
+from mlx_lm_patches.engine.contract import NotNeeded, Outcome
 
 CACHE = "mlx_lm.models.cache"
 
@@ -49,10 +51,16 @@ def _same_class(wrapped, instance, args, kwargs):
 def probe():
     import mlx.core as mx
 
+    from mlx_lm_patches.patches.mamba_cache_compat import restored
+
     cm = sys.modules[CACHE]
     mamba_cache = getattr(cm, "MambaCache", None)
     if mamba_cache is None or not hasattr(cm.ArraysCache, "extract"):
         return None
+    if restored(mamba_cache):
+        # mamba-cache-compat's class on a release without one: this mamba.py does not ask
+        # for the class, so whichever extract returns is written to (decided as on stock)
+        return NotNeeded("this mlx-lm has no MambaCache of its own (mamba's mixer writes to any cache)")
     cache = cm.ArraysCache.__new__(mamba_cache)
     cache.cache, cache.left_padding, cache.lengths = [mx.zeros((2, 1)), mx.zeros((2, 1))], None, None
     row = cache.extract(0)

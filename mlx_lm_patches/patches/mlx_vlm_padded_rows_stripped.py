@@ -73,11 +73,13 @@ def probe():
         return None
     if "existing_left_padding" in inspect.signature(module.BatchGenerator.__init__).parameters:
         return None
-    try:
-        source = inspect.getsource(generate_batch)
-    except (OSError, TypeError):
+    from mlx_lm_patches.engine import bytecode
+
+    try:  # read from the code object, not the source (an install may ship bytecode only)
+        found = bytecode.tokens(generate_batch)
+    except (AttributeError, TypeError):
         return None
-    if "input_ids.tolist()" not in source:
+    if not bytecode.contains(found, [lambda t: isinstance(t, str) and t.endswith("input_ids"), "tolist"]):
         return None
     return ("mlx_vlm's _generate_batch inserts input_ids.tolist() (the left-padded rows) into a "
             "BatchGenerator that is neither given the attention mask nor told the padding")

@@ -40,9 +40,6 @@ Metal
     that runs.
 """
 
-import inspect
-import re
-
 LANGUAGE = "mlx_vlm.models.qwen3_5.language"
 
 
@@ -96,12 +93,19 @@ def probe():
     chunk holds only padding of."""
     import importlib
 
+    from mlx_lm_patches.engine import bytecode
+
     try:
         language = importlib.import_module(LANGUAGE)
-        source = inspect.getsource(language.Qwen3_5Model.__call__)
-    except (ImportError, AttributeError, OSError, TypeError):
+        # read from the code object, not the source (an install may ship bytecode only)
+        found = bytecode.tokens(language.Qwen3_5Model.__call__)
+    except (ImportError, AttributeError, TypeError):
         return None
-    if "_extract_row_cache" not in source or re.search(r"pad\s*==\s*h\.shape\[1\]", source):
+    row_by_row = any(isinstance(t, str) and "_extract_row_cache" in t for t in found)
+    # ``pad == h.shape[1]``: the case of a row the chunk holds only padding of
+    padding_only_case = bytecode.contains(found, [lambda t: isinstance(t, str) and t.endswith("pad"),
+                                                  "h", "shape", 1, "=="])
+    if not row_by_row or padding_only_case:
         return None
     return ("mlx_vlm's Qwen3_5Model runs a padded chunk row by row from each row's first real "
             "token, with no case for a row the chunk holds only padding of")

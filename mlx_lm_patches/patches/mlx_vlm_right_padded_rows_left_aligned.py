@@ -58,12 +58,16 @@ def probe():
     module = sys.modules[MODULE]
     if "existing_left_padding" not in inspect.signature(module.BatchGenerator.__init__).parameters:
         return None
-    try:
-        source = inspect.getsource(module._generate_batch)
-    except (OSError, TypeError):
+    from mlx_lm_patches.engine import bytecode
+
+    try:  # read from the code object, not the source (an install may ship bytecode only)
+        found = bytecode.tokens(module._generate_batch)
+    except (AttributeError, TypeError):
         return None
-    if "existing_left_padding" not in source or "input_ids.tolist()" not in source \
-            or "mask.sum" not in source:
+    ending = lambda suffix: lambda t: isinstance(t, str) and t.endswith(suffix)  # noqa: E731
+    if not any(isinstance(t, str) and "existing_left_padding" in t for t in found) \
+            or not bytecode.contains(found, [ending("input_ids"), "tolist"]) \
+            or not bytecode.contains(found, [ending("mask"), "sum"]):
         return None
     return ("mlx_vlm's _generate_batch tells its BatchGenerator each row's padding count as left "
             "padding and inserts the processor's rows unchanged, whichever side they are padded on")

@@ -67,7 +67,7 @@ def probe():
     import mlx.core as mx
 
     gone = missing(f"{CACHE}:KVCache")
-    if gone:
+    if gone is not None:
         return gone
     kv_cache = sys.modules[CACHE].KVCache
 

@@ -159,7 +159,7 @@ def probe():
     import mlx.core as mx
 
     gone = missing(f"{CACHE}:KVCache")
-    if gone:
+    if gone is not None:
         return gone
     kv_cache = sys.modules[CACHE].KVCache
     prompt_cache = [kv_cache(), kv_cache()]
