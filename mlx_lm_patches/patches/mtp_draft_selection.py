@@ -97,7 +97,7 @@ def _one_line(wrapped, instance, args, kwargs):
     try:
         return wrapped(*args, **kwargs)
     except NoMTPDraft as exc:
-        raise SystemExit(f"mlx_lm.generate: {exc}") from None
+        raise SystemExit(f"{GENERATE}: {exc}") from None
 
 
 def _load_or_mtp_draft(last, wrapped, instance, args, kwargs):
