@@ -79,6 +79,31 @@ def test_generate_equals_the_reference(folders, loaded):
     assert proc.stdout == ref.text + "\n"
 
 
+def test_generate_max_kv_size_bounds_the_hybrid(folders, loaded):
+    """``mlx_lm.generate --max-kv-size W`` on the hybrid: the answer of mlx-lm's rotating window
+    (attention layers ``RotatingKVCache(W, keep=4)``, recurrent layers as the model makes them),
+    which past the window differs from the unbounded answer (patch ``hybrid-max-kv-size``)."""
+    import mlx.core as mx
+    from mlx_lm.generate import stream_generate
+    from support.kv_window import specified_caches
+
+    model, tokenizer = loaded
+    prompt = "What is the capital of France?"
+    ids = chat_prompt(tokenizer, [{"role": "user", "content": prompt}])
+    window = len(ids) + 3
+
+    def answer(**kwargs):
+        return "".join(r.text for r in stream_generate(model, tokenizer, mx.array(ids), max_tokens=MAX_TOKENS,
+                                                       **kwargs))
+
+    expected = answer(prompt_cache=specified_caches(model, window))
+    assert expected != answer(), "the window changes nothing: the test cannot fail"
+    proc = _run("mlx_lm.generate", "--model", folders["main"], "--prompt", prompt, "--max-kv-size", window,
+                "--max-tokens", MAX_TOKENS, "--verbose", "False")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout == expected + "\n"
+
+
 # -- mlx_lm.chat ----------------------------------------------------------------------------------
 def test_chat_conversation_equals_the_reference(folders, loaded):
     """``mlx_lm.chat`` driven through stdin (it reads lines with ``input()``; 0.32 draws a
