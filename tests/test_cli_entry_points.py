@@ -80,9 +80,10 @@ def test_generate_equals_the_reference(folders, loaded):
 
 
 def test_generate_max_kv_size_bounds_the_hybrid(folders, loaded):
-    """``mlx_lm.generate --max-kv-size W`` on the hybrid: the answer of mlx-lm's rotating window
-    (attention layers ``RotatingKVCache(W, keep=4)``, recurrent layers as the model makes them),
-    which past the window differs from the unbounded answer (patch ``hybrid-max-kv-size``)."""
+    """``mlx_lm.generate --max-kv-size W`` on the hybrid, without and with a draft model: the
+    answer of mlx-lm's rotating window (attention layers ``RotatingKVCache(W, keep=4)``, recurrent
+    layers as the model makes them), which past the window differs from the unbounded answer
+    (patches ``hybrid-max-kv-size``, ``speculative-kv-options``)."""
     import mlx.core as mx
     from mlx_lm.generate import stream_generate
     from support.kv_window import specified_caches
@@ -98,10 +99,12 @@ def test_generate_max_kv_size_bounds_the_hybrid(folders, loaded):
 
     expected = answer(prompt_cache=specified_caches(model, window))
     assert expected != answer(), "the window changes nothing: the test cannot fail"
-    proc = _run("mlx_lm.generate", "--model", folders["main"], "--prompt", prompt, "--max-kv-size", window,
-                "--max-tokens", MAX_TOKENS, "--verbose", "False")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout == expected + "\n"
+    for draft in ((), ("--draft-model", folders["hybrid-draft"], "--num-draft-tokens", 3)):
+        # with a draft: the window kept and speculation through it exact (speculative-kv-options)
+        proc = _run("mlx_lm.generate", "--model", folders["main"], "--prompt", prompt, "--max-kv-size", window,
+                    "--max-tokens", MAX_TOKENS, "--verbose", "False", *draft)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert proc.stdout == expected + "\n", f"draft {draft}"
 
 
 # -- mlx_lm.cache_prompt, then mlx_lm.generate --prompt-cache-file with a draft ------------------

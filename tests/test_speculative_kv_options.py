@@ -115,6 +115,26 @@ def test_stream_generate_with_a_draft_equals_it_without(tmp_path):
     assert max(abs(a - b) for (_, a), (_, b) in zip(got, plain)) < 1e-4
 
 
+def test_stream_generate_keeps_max_kv_size_with_a_draft(tmp_path):
+    """``stream_generate(..., max_kv_size=W, draft_model=D)`` (what ``mlx_lm.generate
+    --max-kv-size W --draft-model D`` runs) equals ``stream_generate(..., max_kv_size=W)``,
+    which past the window differs from unbounded decoding (stock drops W with a draft)."""
+    from mlx_lm import load
+    from mlx_lm_patches.demos.model_folder import write_model_folder
+    from mlx_lm_patches.demos.tiny_models import tiny_config
+
+    main_type = "qwen3_next" if "qwen3_next" in FAMILIES else DENSE
+    model, tokenizer = load(str(write_model_folder(tmp_path / "m", build_tiny_model(main_type, seed=1),
+                                                   tiny_config(main_type))))
+    prompt = prompt_tokens(20, seed=3)
+    windowed = _stream(model, tokenizer, prompt, max_kv_size=WINDOW)
+    assert [t for t, _ in windowed] != [t for t, _ in _stream(model, tokenizer, prompt)], "the test cannot fail"
+    got = _stream(model, tokenizer, prompt, max_kv_size=WINDOW, draft_model=build_tiny_model(DENSE, seed=7),
+                  num_draft_tokens=3)
+    assert [t for t, _ in got] == [t for t, _ in windowed]
+    assert max(abs(a - b) for (_, a), (_, b) in zip(got, windowed)) < 1e-4
+
+
 @pytest.mark.parametrize("model_type", [t for t in ("qwen3_next",) if t in FAMILIES] + [DENSE])
 @pytest.mark.parametrize("quantized_kv_start", [0, 16])
 def test_kv_bits_is_refused_before_the_first_token(model_type, quantized_kv_start):

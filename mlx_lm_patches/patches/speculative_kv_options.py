@@ -25,7 +25,10 @@ Fix
     (``keep`` first positions and the last ``max_size - keep``, itself included). One model
     call per verify pass as before (two for the first pass where the loop puts the end of the
     prompt into it). Rollbacks go through the ``recurrent-rollback`` journal, which restores
-    windows. With ``kv_bits`` the generator raises ``ValueError`` at its first ``next()``,
+    windows. ``stream_generate`` (so ``generate`` and ``mlx_lm.generate --max-kv-size W
+    --draft-model D``) drops ``max_kv_size`` when it speculates: without a ``prompt_cache`` it now
+    hands the loop ``make_prompt_cache(model, W) + make_prompt_cache(draft_model, W)``, the
+    caches ``generate_step`` builds for ``max_kv_size=W``. With ``kv_bits`` the generator raises ``ValueError`` at its first ``next()``,
     before any token: decode without a draft model, or without ``kv_bits``. Windows with
     ``keep=0`` (models' own sliding windows) already mask the same in both kinds of pass.
 
@@ -186,6 +189,22 @@ def _speculative(wrapped, instance, args, kwargs):
     return wrapped(*bound.args, **bound.kwargs)
 
 
+def _stream_generate(wrapped, instance, args, kwargs):
+    """``stream_generate(..., draft_model=D, max_kv_size=W)`` drops ``max_kv_size`` before the
+    speculative loop: the loop gets the caches ``generate_step`` would build for it instead."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    bound = bind_arguments(wrapped, args, kwargs)
+    extra = bound.arguments.get("kwargs", {})
+    draft = bound.arguments.get("draft_model", extra.get("draft_model"))
+    window = extra.get("max_kv_size")
+    if draft is None or window is None or extra.get("prompt_cache") is not None:
+        return wrapped(*args, **kwargs)
+    model = bound.arguments["model"]
+    extra["prompt_cache"] = make_prompt_cache(model, max_kv_size=window) + make_prompt_cache(draft, max_kv_size=window)
+    return wrapped(*bound.args, **bound.kwargs)
+
+
 def probe():
     import mlx.core as mx
 
@@ -204,6 +223,7 @@ def probe():
 def apply(p):
     p.wrap(f"{CACHE}:RotatingKVCache.make_mask", _make_mask)
     p.wrap(f"{GENERATE}:speculative_generate_step", _speculative)
+    p.wrap(f"{GENERATE}:stream_generate", _stream_generate)
 
 
 def scenario():
