@@ -9,8 +9,9 @@ Bug
     speculate on it.
 
 Fix
-    The file records its tokens: ``mlx_lm.cache_prompt`` (its ``generate_step`` and
-    ``save_prompt_cache``) writes the prompt's token ids to the file's metadata
+    The file records its tokens: ``generate_step`` filling a fresh prompt cache (what
+    ``mlx_lm.cache_prompt`` runs) remembers the prompt, weakly keyed by the cache, and
+    ``save_prompt_cache`` writes its token ids to the file's metadata
     (``mlx_lm_patches_tokens``). ``mlx_lm.generate``'s ``load_prompt_cache`` remembers them
     with the loaded list, and when ``speculative_generate_step`` gets that list - the main
     model's caches only - with a draft model, the draft's caches are rebuilt: a fresh
@@ -33,8 +34,8 @@ Retire
 """
 
 import json
-import sys
 import threading
+import weakref
 
 from mlx_lm_patches.engine.contract import Outcome
 from mlx_lm_patches.mechanisms.calls import bind_arguments
@@ -44,7 +45,7 @@ CACHE = "mlx_lm.models.cache"
 TOKENS_KEY = "mlx_lm_patches_tokens"  # no dot: load_prompt_cache unflattens dotted keys
 
 _lock = threading.Lock()
-_prefilled = {}  # id(cache list) -> (cache list, token ids): caches cache_prompt filled
+_prefilled = weakref.WeakKeyDictionary()  # first cache of a list generate_step filled -> prompt
 _loaded = {"cache": None, "tokens": None}  # the last prompt-cache file mlx_lm.generate loaded
 
 NO_TOKENS = (
@@ -55,24 +56,31 @@ NO_TOKENS = (
 
 
 def _record_prompt(wrapped, instance, args, kwargs):
-    """``generate_step`` as ``mlx_lm.cache_prompt`` calls it: remember the prompt's tokens with
-    the cache it fills."""
+    """``generate_step`` with a ``prompt_cache`` (what ``mlx_lm.cache_prompt`` runs, on a fresh
+    cache): remember the prompt with the cache it fills (weakly: nothing is kept alive). A cache
+    that held tokens before holds more than the prompt: the rebuild refuses it (count check)."""
     bound = bind_arguments(wrapped, args, kwargs).arguments
     cache = bound.get("prompt_cache")
-    if cache is not None:
-        with _lock:
-            _prefilled.clear()  # one file per cache_prompt run: keep only the newest
-            _prefilled[id(cache)] = (cache, [int(t) for t in bound["prompt"].tolist()])
+    if cache:
+        try:
+            with _lock:
+                _prefilled[cache[0]] = bound["prompt"]
+        except TypeError:
+            pass
     return wrapped(*args, **kwargs)
 
 
 def _save_with_tokens(wrapped, instance, args, kwargs):
     bound = bind_arguments(wrapped, args, kwargs)
-    with _lock:
-        held = _prefilled.get(id(bound.arguments["cache"]))
-    if held is not None and held[0] is bound.arguments["cache"]:
+    cache = bound.arguments["cache"]
+    try:
+        with _lock:
+            prompt = _prefilled.get(cache[0]) if cache else None
+    except TypeError:
+        prompt = None
+    if prompt is not None:
         metadata = dict(bound.arguments.get("metadata") or {})
-        metadata[TOKENS_KEY] = json.dumps(held[1])
+        metadata[TOKENS_KEY] = json.dumps([int(t) for t in prompt.tolist()])
         bound.arguments["metadata"] = metadata
     return wrapped(*bound.args, **bound.kwargs)
 
@@ -136,10 +144,10 @@ def _speculative(wrapped, instance, args, kwargs):
         return _refused(ValueError(NO_TOKENS))
     held = _held_tokens(cache)
     held = len(tokens) if held is None else held
-    if held > len(tokens):
+    if held not in (len(tokens), len(tokens) - 1):
         return _refused(ValueError(
             f"--prompt-cache-file with --draft-model: the file's caches hold {held} tokens but "
-            f"it records {len(tokens)}; re-create it with mlx_lm.cache_prompt"))
+            f"it records a prompt of {len(tokens)}; re-create it with mlx_lm.cache_prompt"))
     draft = rebuild_draft_cache(arguments["draft_model"], tokens[:held], arguments.get("prefill_step_size"))
     arguments["prompt_cache"] = list(cache) + list(draft)
     return wrapped(*bound.args, **bound.kwargs)
@@ -157,7 +165,8 @@ def probe():
 def apply(p):
     p.wrap(f"{GENERATE}:speculative_generate_step", _speculative)
     p.wrap(f"{GENERATE}:load_prompt_cache", _remember_loaded)
-    p.wrap_if_present("mlx_lm.cache_prompt:generate_step", _record_prompt)
+    p.wrap(f"{GENERATE}:generate_step", _record_prompt)
+    p.wrap(f"{CACHE}:save_prompt_cache", _save_with_tokens)
     p.wrap_if_present("mlx_lm.cache_prompt:save_prompt_cache", _save_with_tokens)
 
 
@@ -169,9 +178,8 @@ def scenario():
     import tempfile
 
     import mlx.core as mx
-    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.models.cache import make_prompt_cache, save_prompt_cache
 
-    cache_prompt_module = importlib.import_module("mlx_lm.cache_prompt")  # its bindings get wrapped
     generate_module = importlib.import_module(GENERATE)
 
     from mlx_lm_patches.demos.scenarios import greedy, prompt_tokens, speculative_greedy
@@ -183,10 +191,10 @@ def scenario():
         system, query = prompt_tokens(20, seed=2), prompt_tokens(6, seed=8)
         with tempfile.TemporaryDirectory() as folder:
             path = os.path.join(folder, "prompt.safetensors")
-            cache = make_prompt_cache(model)
-            for _ in cache_prompt_module.generate_step(mx.array(system), model, max_tokens=0, prompt_cache=cache):
+            cache = make_prompt_cache(model)  # what mlx_lm.cache_prompt's main does:
+            for _ in generate_module.generate_step(mx.array(system), model, max_tokens=0, prompt_cache=cache):
                 pass
-            cache_prompt_module.save_prompt_cache(path, cache, {"model": model_type})
+            save_prompt_cache(path, cache, {"model": model_type})
             reference = greedy(model, query, max_tokens=8,
                                prompt_cache=generate_module.load_prompt_cache(path, return_metadata=True)[0])
             loaded, _ = generate_module.load_prompt_cache(path, return_metadata=True)
