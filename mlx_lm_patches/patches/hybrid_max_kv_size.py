@@ -19,6 +19,10 @@ Fix
     ``max_kv_size`` of 4 or less (nothing beyond the 4 kept positions) is refused with a
     ``ValueError`` for a hybrid. With the window, results are those of mlx-lm's own rotating
     cache: equal to unbounded decoding while the sequence fits, bounded memory after.
+    ``BatchGenerator`` builds its caches elsewhere on 0.31.x: ``_make_cache`` (0.31.1 - 0.31.2)
+    gives a hybrid's plain attention layers ``BatchRotatingKVCache(max_kv_size, ...)`` as it
+    gives a dense model's, and ``BatchGenerator._make_new_cache`` (0.31.3) bounds those inside
+    a ``CacheList`` too (``keep=0``, as that release does for the others).
 
 Affected
     Every supported release (0.28.4 - 0.32.2); the probe decides on newer ones.
@@ -85,6 +89,50 @@ def _make_prompt_cache(wrapped, instance, args, kwargs):
     return bounded_prompt_cache(caches, bound.get("max_kv_size"))
 
 
+def _batch_caches(wrapped, instance, args, kwargs):
+    """0.31.1 - 0.31.2 ``_make_cache(model, left_padding, max_kv_size)``: a model with
+    ``make_cache`` gets batch caches without a window; a hybrid's plain attention layers get
+    ``BatchRotatingKVCache(max_kv_size, left_padding)``, what a dense model gets there."""
+    caches = wrapped(*args, **kwargs)
+    bound = bind_arguments(wrapped, args, kwargs).arguments
+    model, window = bound.get("model"), bound.get("max_kv_size")
+    if window is None or not hasattr(model, "make_cache"):
+        return caches
+    module = sys.modules[CACHE]
+    made = model.make_cache()
+    if bounded_prompt_cache(made, window) is made:
+        return caches
+
+    def one(batch, fresh):
+        if type(fresh) is module.KVCache:
+            return module.BatchRotatingKVCache(window, bound["left_padding"])
+        if type(fresh) is module.CacheList and type(batch) is module.CacheList:
+            return module.CacheList(*(one(b, f) for b, f in zip(batch.caches, fresh.caches)))
+        return batch
+
+    return [one(b, f) for b, f in zip(caches, made)]
+
+
+def _new_batch_cache(wrapped, instance, args, kwargs):
+    """0.31.3 ``BatchGenerator._make_new_cache``: it gives top-level ``KVCache`` layers a
+    ``RotatingKVCache(max_kv_size)`` itself but leaves those inside a ``CacheList`` (falcon_h1)
+    unbounded; they get the same window."""
+    caches = wrapped(*args, **kwargs)
+    window = getattr(instance, "max_kv_size", None)
+    if window is None or bounded_prompt_cache(caches, window) is caches:
+        return caches
+    module = sys.modules[CACHE]
+
+    def one(cache):
+        if type(cache) is module.KVCache:
+            return module.RotatingKVCache(max_size=window)
+        if type(cache) is module.CacheList:
+            return module.CacheList(*(one(c) for c in cache.caches))
+        return cache
+
+    return [one(c) for c in caches]
+
+
 class _HybridStub:
     """The smallest model with a hybrid's ``make_cache``: one recurrent and one attention layer."""
 
@@ -109,6 +157,8 @@ def apply(p):
     p.wrap(f"{CACHE}:make_prompt_cache", _make_prompt_cache)
     for module in ("mlx_lm.generate", "mlx_lm.chat", "mlx_lm.cache_prompt"):
         p.wrap_if_present(f"{module}:make_prompt_cache", _make_prompt_cache)
+    p.wrap_if_present("mlx_lm.generate:_make_cache", _batch_caches)
+    p.wrap_if_present("mlx_lm.generate:BatchGenerator._make_new_cache", _new_batch_cache)
 
 
 def positions_held(caches) -> int:
