@@ -111,6 +111,10 @@ def scenario():
     from mlx_lm_patches.demos.scenarios import prompt_tokens
     from mlx_lm_patches.demos.tiny_models import build_tiny_model
 
+    if not hasattr(sys.modules[GENERATE], "GenerationBatch"):
+        return Outcome.not_applicable(
+            "no GenerationBatch in this mlx-lm (before 0.31.3): its batched decode clears the "
+            "metadata before decoding (measured: no growth), and hybrid batching needs other fixes here")
     model = build_tiny_model("qwen3_next", seed=1)
     gen = BatchGenerator(model, max_tokens=200)
     step = getattr(gen, "next_generated", None) or gen.next
