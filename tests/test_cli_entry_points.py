@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from conftest import clean_env
+from conftest import clean_env, xfail_if_affected
 from support.chat_reference import chat_prompt, chat_reference, token_reference
 from mlx_lm_patches.demos.model_folder import write_model_folder
 from support.server import ServerExited, serve
@@ -77,6 +77,78 @@ def test_generate_equals_the_reference(folders, loaded):
     ref = chat_reference(*loaded, [{"role": "user", "content": prompt}], MAX_TOKENS)
     assert ref.text.strip()
     assert proc.stdout == ref.text + "\n"
+
+
+def test_generate_max_kv_size_bounds_the_hybrid(folders, loaded):
+    """``mlx_lm.generate --max-kv-size W`` on the hybrid, without and with a draft model: the
+    answer of mlx-lm's rotating window (attention layers ``RotatingKVCache(W, keep=4)``, recurrent
+    layers as the model makes them), which past the window differs from the unbounded answer
+    (patches ``hybrid-max-kv-size``, ``speculative-kv-options``)."""
+    import mlx.core as mx
+    from mlx_lm.generate import stream_generate
+    from support.kv_window import specified_caches
+
+    model, tokenizer = loaded
+    prompt = "What is the capital of France?"
+    ids = chat_prompt(tokenizer, [{"role": "user", "content": prompt}])
+    window = len(ids) + 3
+
+    def answer(**kwargs):
+        return "".join(r.text for r in stream_generate(model, tokenizer, mx.array(ids), max_tokens=MAX_TOKENS,
+                                                       **kwargs))
+
+    expected = answer(prompt_cache=specified_caches(model, window))
+    assert expected != answer(), "the window changes nothing: the test cannot fail"
+    for draft in ((), ("--draft-model", folders["hybrid-draft"], "--num-draft-tokens", 3)):
+        # with a draft: the window kept and speculation through it exact (speculative-kv-options)
+        proc = _run("mlx_lm.generate", "--model", folders["main"], "--prompt", prompt, "--max-kv-size", window,
+                    "--max-tokens", MAX_TOKENS, "--verbose", "False", *draft)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert proc.stdout == expected + "\n", f"draft {draft}"
+
+
+# -- mlx_lm.cache_prompt, then mlx_lm.generate --prompt-cache-file with a draft ------------------
+SYSTEM = "You are a terse assistant. Answer in one word. " * 3
+
+
+@pytest.fixture(scope="module")
+def cached_prompt(folders, tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompt-cache") / "system.safetensors"
+    proc = _run("mlx_lm.cache_prompt", "--model", folders["main"], "--prompt", SYSTEM, "--prompt-cache-file", path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return path
+
+
+def _generate_on_file(folders, path, *draft, env=None):
+    return _run("mlx_lm.generate", "--model", folders["main"], "--prompt-cache-file", path, "--prompt",
+                "What is the capital of France?", "--max-tokens", MAX_TOKENS, "--verbose", "False", *draft, env=env)
+
+
+@pytest.fixture(scope="module")
+def plain_on_file(folders, cached_prompt):
+    """The answer on the file without a draft (no draft: the patch changes nothing there)."""
+    plain = _generate_on_file(folders, cached_prompt)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    assert plain.stdout.strip()
+    return plain.stdout
+
+
+def test_prompt_cache_file_with_a_draft_equals_it_without(folders, cached_prompt, plain_on_file):
+    """``mlx_lm.generate --prompt-cache-file F --draft-model D`` prints what it prints without
+    the draft (the draft's cache rebuilt from the tokens F records: patch
+    ``prompt-cache-file-draft``)."""
+    drafted = _generate_on_file(folders, cached_prompt, "--draft-model", folders["hybrid-draft"],
+                                "--num-draft-tokens", 3)
+    assert drafted.returncode == 0, drafted.stderr[-3000:]
+    assert drafted.stdout == plain_on_file
+
+
+@xfail_if_affected("prompt-cache-file-draft", "stock mlx-lm: a prompt-cache file holds no draft caches")
+def test_stock_prompt_cache_file_with_a_draft(folders, cached_prompt, plain_on_file):
+    drafted = _generate_on_file(folders, cached_prompt, "--draft-model", folders["hybrid-draft"],
+                                env={"MLX_LM_PATCHES_DISABLE": "prompt-cache-file-draft"})
+    assert drafted.returncode == 0, drafted.stderr[-3000:]
+    assert drafted.stdout == plain_on_file
 
 
 # -- mlx_lm.chat ----------------------------------------------------------------------------------

@@ -884,6 +884,12 @@ def _cfg_step3p5() -> Dict[str, Any]:
             "moe_router_scaling_factor": 1.0, "norm_expert_weight": True, "tie_word_embeddings": False}
 
 
+def _cfg_qwen3() -> Dict[str, Any]:
+    # A dense model without ``make_cache``: ``make_prompt_cache`` builds its caches itself
+    # (``RotatingKVCache`` for ``max_kv_size``), unlike llama, whose ``make_cache`` ignores it.
+    return dict(_cfg_llama(), model_type="qwen3")
+
+
 def _cfg_mimo() -> Dict[str, Any]:
     return dict(_cfg_llama(), model_type="mimo", num_nextn_predict_layers=1)
 
@@ -914,6 +920,7 @@ _CONFIGS: Dict[str, Callable[[], Dict[str, Any]]] = {
     "gear": _cfg_gear,
     "longcat_flash_ngram": _cfg_longcat_flash_ngram,
     "llama": _cfg_llama,
+    "qwen3": _cfg_qwen3,
     "deepseek_v3": _cfg_deepseek_v3,
     "deepseek_v32": _cfg_deepseek_v32,
     "glm4_moe": _cfg_glm4_moe,
