@@ -149,3 +149,15 @@ def test_kv_bits_is_refused_before_the_first_token(model_type, quantized_kv_star
                                       quantized_kv_start=quantized_kv_start)
     with pytest.raises(ValueError, match="kv_bits"):
         next(steps)
+
+
+@pytest.mark.parametrize("model_type", [t for t in ("qwen3_next",) if t in FAMILIES] + [DENSE])
+def test_kv_bits_below_the_conversion_step_runs_as_stock(model_type):
+    """``kv_bits`` with ``quantized_kv_start`` beyond prompt + max_tokens + a verify pass: no
+    cache converts, the loop is exact (as stock) and is not refused."""
+    model, draft = build_tiny_model(model_type, seed=1), build_tiny_model(DENSE, seed=7)
+    prompt = prompt_tokens(20, seed=3)
+    settings = dict(kv_bits=4, kv_group_size=16, quantized_kv_start=20 + 14 + 3 + 1)
+    reference = greedy(model, prompt, max_tokens=14, **settings)
+    got = speculative_greedy(model, draft, prompt, max_tokens=14, num_draft_tokens=3, **settings)
+    assert reference.compare(got) is None, reference.compare(got)

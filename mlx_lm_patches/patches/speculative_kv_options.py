@@ -28,8 +28,10 @@ Fix
     windows. ``stream_generate`` (so ``generate`` and ``mlx_lm.generate --max-kv-size W
     --draft-model D``) drops ``max_kv_size`` when it speculates: without a ``prompt_cache`` it now
     hands the loop ``make_prompt_cache(model, W) + make_prompt_cache(draft_model, W)``, the
-    caches ``generate_step`` builds for ``max_kv_size=W``. With ``kv_bits`` the generator raises ``ValueError`` at its first ``next()``,
-    before any token: decode without a draft model, or without ``kv_bits``. Windows with
+    caches ``generate_step`` builds for ``max_kv_size=W``. With ``kv_bits``, where a cache could
+    reach ``quantized_kv_start`` in this generation, the generator raises ``ValueError`` at its
+    first ``next()``, before any token: decode without a draft model, or without ``kv_bits``;
+    below that step nothing converts and the loop runs as stock (exact). Windows with
     ``keep=0`` (models' own sliding windows) already mask the same in both kinds of pass.
 
 Affected
@@ -159,6 +161,22 @@ def _refused(exc):
     yield  # a generator: the refusal comes from the first next(), before any token
 
 
+def _may_quantize(wrapped, arguments) -> bool:
+    """Whether a cache could reach ``quantized_kv_start`` in this generation (a verify pass
+    runs up to ``num_draft_tokens`` past the tokens kept). Below it nothing converts, the
+    loop is the plain path's and stock's answer is exact: it runs as it is."""
+    from mlx_lm_patches.mechanisms.caches import flat_caches, int_offset
+
+    defaults = {k: p.default for k, p in inspect.signature(wrapped).parameters.items()}
+    get = lambda name: arguments.get(name, defaults.get(name))  # noqa: E731
+    max_tokens = get("max_tokens")
+    if max_tokens is None or max_tokens < 0:
+        return True
+    held = max((int_offset(c) or 0 for c in flat_caches(arguments.get("prompt_cache") or [])), default=0)
+    reach = held + len(arguments["prompt"]) + max_tokens + (get("num_draft_tokens") or 0)
+    return reach >= get("quantized_kv_start")
+
+
 def _given(wrapped, args, kwargs, name) -> bool:
     try:
         return name in inspect.signature(wrapped).bind_partial(*args, **kwargs).arguments
@@ -172,7 +190,7 @@ def _speculative(wrapped, instance, args, kwargs):
 
     bound = bind_arguments(wrapped, args, kwargs)
     arguments = bound.arguments
-    if arguments.get("kv_bits") is not None:
+    if arguments.get("kv_bits") is not None and _may_quantize(wrapped, arguments):
         return _refused(ValueError(KV_BITS_REFUSAL))
     parts = caller_parts(arguments["model"], arguments["draft_model"], arguments.get("prompt_cache"))
     rotating = sys.modules[CACHE].RotatingKVCache
