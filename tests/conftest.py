@@ -4,6 +4,7 @@ The suite runs against the *installed* package (tools/run_matrix.py installs the
 non-editable into one venv per tested mlx-lm release), so the real ``.pth`` is exercised.
 """
 
+import contextlib
 import functools
 import json
 import os
@@ -232,3 +233,16 @@ def _family_sweep(request):
         reason = sweeps.skip_reason(family, families, full=request.config.getoption("--full-sweeps"))
         if reason:
             pytest.skip(reason)
+
+
+@contextlib.contextmanager
+def reverted(*ids):
+    """The given patches reverted for a block (stock mlx-lm for what they fix), applied again
+    after it."""
+    import mlx_lm_patches
+
+    mlx_lm_patches.revert(list(ids))
+    try:
+        yield
+    finally:
+        mlx_lm_patches.apply(list(ids))

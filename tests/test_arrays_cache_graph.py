@@ -18,7 +18,7 @@ import io
 import pytest
 
 import mlx_lm_patches
-from conftest import xfail_if_affected
+from conftest import reverted, xfail_if_affected
 from mlx_lm_patches.demos.scenarios import prompt_tokens
 from mlx_lm_patches.demos.tiny_models import available_model_types, build_tiny_model
 
@@ -74,11 +74,8 @@ def test_batch_generator_decode_keeps_the_graph_bounded():
 
 @pytest.fixture
 def stock():
-    mlx_lm_patches.revert([PATCH])
-    try:
+    with reverted(PATCH):
         yield
-    finally:
-        mlx_lm_patches.apply([PATCH])
 
 
 @xfail_if_affected(PATCH, "stock mlx-lm: the metadata of a batch joined while decoding grows every step")

@@ -23,41 +23,24 @@ import inspect
 import pytest
 
 import mlx_lm_patches
-from conftest import xfail_if_affected
-from support.kv_window import specified_caches
+from conftest import reverted, xfail_if_affected
+from support.kv_window import hybrids_with_plain_attention, specified_caches
+from mlx_lm_patches.mechanisms.caches import flat_caches
 from mlx_lm_patches.demos.scenarios import Decoded, greedy, prompt_tokens
-from mlx_lm_patches.demos.tiny_models import DENSE_MODEL_TYPE, available_model_types, build_tiny_model
+from mlx_lm_patches.demos.tiny_models import DENSE_MODEL_TYPE, build_tiny_model
 from mlx_lm_patches.patches.hybrid_max_kv_size import positions_held
 
 mlx_lm_patches.apply()
 
 import mlx.core as mx  # noqa: E402
-from mlx_lm.models import cache as cache_module  # noqa: E402
-from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache  # noqa: E402
+from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache  # noqa: E402
 
 PATCH = "hybrid-max-kv-size"
 WINDOW = 24
 KEEP = 4
 
 
-def _leaves(caches):
-    out = []
-    for c in caches:
-        out.extend(_leaves(c.caches) if isinstance(c, cache_module.CacheList) else [c])
-    return out
-
-
-def _bounded_families():
-    """Hybrid families of this release with at least one plain attention (``KVCache``) layer."""
-    found = []
-    for model_type in available_model_types():
-        leaves = _leaves(build_tiny_model(model_type).make_cache())
-        if any(isinstance(c, ArraysCache) for c in leaves) and any(type(c) is KVCache for c in leaves):
-            found.append(model_type)
-    return found
-
-
-FAMILIES = _bounded_families()
+FAMILIES = hybrids_with_plain_attention()
 
 
 def _specified(model, keep=KEEP):
@@ -79,7 +62,7 @@ def _stepwise(model, prompt, caches, max_tokens) -> Decoded:
 
 def _describe(caches):
     return [type(c).__name__ + (f"({c.max_size},keep={c.keep})" if isinstance(c, RotatingKVCache) else "")
-            for c in _leaves(caches)]
+            for c in flat_caches(caches)]
 
 
 @pytest.mark.family_sweep(FAMILIES)
@@ -88,14 +71,14 @@ def test_hybrid_attention_rotates_and_decoding_follows_the_window(model_type):
     model = build_tiny_model(model_type, seed=2)
     built = make_prompt_cache(model, max_kv_size=WINDOW)
     assert _describe(built) == _describe(_specified(model))
-    for got, made in zip(_leaves(built), _leaves(model.make_cache())):
+    for got, made in zip(flat_caches(built), flat_caches(model.make_cache())):
         if not type(made) is KVCache:
             assert type(got) is type(made)
 
     # Memory: a prompt longer than the window, then more tokens. Layers the model already
     # rotates (its own sliding windows) keep their window.
     greedy(model, prompt_tokens(30, seed=2), max_tokens=8, prompt_cache=built)
-    plain = [got for got, made in zip(_leaves(built), _leaves(model.make_cache())) if type(made) is KVCache]
+    plain = [got for got, made in zip(flat_caches(built), flat_caches(model.make_cache())) if type(made) is KVCache]
     assert positions_held(plain) <= WINDOW
 
     # Decoding through generate_step's own cache: unbounded while it fits, rotating after.
@@ -146,11 +129,8 @@ def test_a_window_without_room_is_refused_by_name(bad):
 
 @pytest.fixture
 def stock():
-    mlx_lm_patches.revert([PATCH])
-    try:
+    with reverted(PATCH):
         yield
-    finally:
-        mlx_lm_patches.apply([PATCH])
 
 
 @xfail_if_affected(PATCH, "stock mlx-lm: a hybrid keeps every attention position whatever max_kv_size says")

@@ -18,7 +18,7 @@ Patches off: the diverging request reuses nothing (strict xfail where the matrix
 import pytest
 
 import mlx_lm_patches
-from conftest import xfail_if_affected
+from conftest import reverted, xfail_if_affected
 from mlx_lm_patches.demos.scenarios import (
     engine_greedy, engine_prefill, engine_prefix_reuse, greedy, lru_prompt_cache_class, prompt_tokens,
     speculative_greedy)
@@ -53,11 +53,8 @@ def test_an_engine_calling_the_model_itself_reuses_exactly(model_type):
 @pytest.fixture
 def stock():
     """The prefix-reuse patch reverted for one test (what mlx-lm does without it)."""
-    mlx_lm_patches.revert([PATCH])
-    try:
+    with reverted(PATCH):
         yield
-    finally:
-        mlx_lm_patches.apply([PATCH])
 
 
 @xfail_if_affected(PATCH, "stock mlx-lm: a hybrid prompt diverging inside a stored one is a full miss")

@@ -16,36 +16,19 @@ import pytest
 import mlx_lm_patches
 from conftest import xfail_if_affected
 from mlx_lm_patches.demos.scenarios import greedy, prompt_tokens, speculative_greedy
-from mlx_lm_patches.demos.tiny_models import available_model_types, build_tiny_model
-from support.kv_window import specified_caches
+from mlx_lm_patches.demos.tiny_models import build_tiny_model
+from support.kv_window import hybrids_with_plain_attention, specified_caches
 
 mlx_lm_patches.apply()
 
 import mlx.core as mx  # noqa: E402
-from mlx_lm.models.cache import ArraysCache, KVCache  # noqa: E402
 
 PATCH = "speculative-kv-options"
 WINDOW = 24
 DENSE = "qwen3"  # no make_cache: make_prompt_cache gives it RotatingKVCache(W, keep=4) in mlx-lm
 
 
-def _leaves(caches):
-    out = []
-    for c in caches:
-        out.extend(_leaves(c.caches) if hasattr(c, "caches") else [c])
-    return out
-
-
-def _families():
-    found = []
-    for model_type in available_model_types():
-        leaves = _leaves(build_tiny_model(model_type).make_cache())
-        if any(isinstance(c, ArraysCache) for c in leaves) and any(type(c) is KVCache for c in leaves):
-            found.append(model_type)
-    return found
-
-
-FAMILIES = _families()
+FAMILIES = hybrids_with_plain_attention()
 
 
 def _speculate_and_compare(model, draft, prompt, max_tokens=14, num_draft=3, **kwargs):
