@@ -68,8 +68,20 @@ SERVER = "mlx_lm.server"
 # -- keeping states while prefilling ----------------------------------------------------------
 
 def _prefill_cut(wrapped, instance, args, kwargs):
-    """``generate_step`` / ``speculative_generate_step``: while a prompt-cache store exists,
-    the prefill (everything before the first token comes out) is cut at powers of two."""
+    """``generate_step``: while a prompt-cache store exists, the prefill is cut at powers of
+    two. Its multi-token passes are all prefill, so the passes run while its generator runs
+    are cut, and the generator itself is returned (decoding pays nothing here)."""
+    from mlx_lm_patches.mechanisms import prefix_reuse as pc
+
+    steps = wrapped(*args, **kwargs)
+    if not pc.capturing() or pc.arm(steps):
+        return steps
+    return _cut_until_first(steps)
+
+
+def _speculative_prefill_cut(wrapped, instance, args, kwargs):
+    """``speculative_generate_step``: while a prompt-cache store exists, the prefill (everything
+    before the first token comes out) is cut at powers of two; its verification passes are not."""
     from mlx_lm_patches.mechanisms import prefix_reuse as pc
 
     steps = wrapped(*args, **kwargs)
@@ -271,7 +283,7 @@ def apply(p):
         if target.endswith(":Model.__call__"):
             p.wrap(target, recorded_forward)
     p.wrap(f"{GENERATE}:generate_step", _prefill_cut)
-    p.wrap(f"{GENERATE}:speculative_generate_step", _prefill_cut)
+    p.wrap(f"{GENERATE}:speculative_generate_step", _speculative_prefill_cut)
     if hasattr(p.module(GENERATE), "PromptProcessingBatch"):
         p.wrap(f"{GENERATE}:PromptProcessingBatch.prompt", _prompt)
     else:
