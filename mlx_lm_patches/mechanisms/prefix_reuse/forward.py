@@ -6,14 +6,18 @@ A forward of one sequence (a batch of one) into a cache list whose history is kn
 (:func:`~.trails.known_log`) appends its tokens to the trails of the recurrent caches and, if
 it is a multi-token pass, keeps the recurrent states at its end, by reference (mlx arrays are
 immutable and models replace their cache slots, so this costs no copy and no evaluation). A
-single-token pass (a decode step) only appends its token array to the log, unread. A pass
+single-token pass (a decode step) only appends its token array to the log's store, unread, in
+the wrapper itself: plain decoding pays one call into the package per token, the same at any
+length. A pass
 that cannot be followed (a batch of several rows, embeddings instead of token ids, a cache
 whose slots were changed by something else) records nothing, and the history of that cache
 is unknown from then on; the states kept before stay valid, since each is checked token by
 token against the request it is used for.
 
-Inside :func:`cutting` (the prefill of ``generate_step`` and of ``BatchGenerator`` rows,
-while a prompt-cache store exists), a multi-token pass is also cut at powers of two
+Inside :func:`cutting` (the prefill of ``speculative_generate_step`` and of ``BatchGenerator``
+rows, while a prompt-cache store exists), and while a generator given to :func:`arm` runs
+(``generate_step``'s own, whose multi-token passes are all prefill), a multi-token pass is also
+cut at powers of two
 (:func:`~.cuts.cut_points`): more states, at positions a later request is likely to share.
 """
 
@@ -170,8 +174,8 @@ def _slow(wrapped, args, kwargs):
     if _ARRAY is None:
         import mlx.core as mx
 
-        _INTEGER_DTYPES = tuple(getattr(mx, n) for n in ("int8", "int16", "int32", "int64", "uint8",
-                                                         "uint16", "uint32", "uint64") if hasattr(mx, n))
+        _INTEGER_DTYPES = tuple(getattr(mx, n) for n in ("uint32", "int32", "int64", "uint64", "int16",
+                                                         "uint16", "int8", "uint8") if hasattr(mx, n))
         _ARRAY = mx.array
     if not keeping():
         return wrapped(*args, **kwargs)
