@@ -119,7 +119,12 @@ def recorded_forward(wrapped, instance, args, kwargs):
             arrays_cache, cache_list = cache_module.ArraysCache, getattr(cache_module, "CacheList", ())
             followed, log = [], None
             for entry in cache:
-                inner = entry.caches if isinstance(entry, cache_list) else (entry,)
+                if isinstance(entry, arrays_cache):
+                    inner = (entry,)
+                elif isinstance(entry, cache_list):
+                    inner = entry.caches
+                else:
+                    continue  # an attention cache
                 for leaf in inner:
                     if not isinstance(leaf, arrays_cache):
                         continue
