@@ -4,7 +4,8 @@
 
 Two sequences of the same prompt are decoded with mlx-lm's own ``generate_step`` (greedy, no
 draft): one with the patches applied (the hybrid forward is recorded for prefix reuse), one
-with every patch reverted (stock mlx-lm). They advance in alternating blocks of ``--block``
+with every wrapper of every patch switched off, as ``revert`` does (``--revert``: reverted and
+applied again at each switch, which also runs the probes again). They advance in alternating blocks of ``--block``
 tokens up to ``--tokens``, so both see the same machine load at the same sequence lengths.
 Reported per block: milliseconds per token each way (wall clock) and the ratio of speeds
 patched / stock by wall clock and by the process's CPU time (less sensitive to other processes
@@ -53,6 +54,9 @@ def main(argv=None):
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--skip-side-by-side", action="store_true", help="only the wrapper's own cost")
+    parser.add_argument("--revert", action="store_true",
+                        help="switch sides by reverting and applying the patches (probes run again at each "
+                             "switch) instead of turning their wrappers off and on")
     args = parser.parse_args(argv)
 
     import mlx.core as mx
@@ -71,10 +75,16 @@ def main(argv=None):
         return generate_step(prompt, model, max_tokens=args.tokens, prompt_cache=make_prompt_cache(model))
 
     def patched(on):
-        if on:
-            mlx_lm_patches.apply(applied)
-        else:
-            mlx_lm_patches.revert(applied)
+        if args.revert:
+            if on:
+                mlx_lm_patches.apply(applied)
+            else:
+                mlx_lm_patches.revert(applied)
+        else:  # the engine's switch of every wrapper (what revert turns off), without re-probing
+            from mlx_lm_patches.engine import core
+
+            for patch_id in applied:
+                core.get().records[patch_id].active = on
 
     print(f"{model_type}, {args.layers} layers ({args.layers // 4} attention), hidden {args.hidden}, "
           f"prompt {args.prompt}, {args.tokens} tokens; patches applied: {len(applied)}")
