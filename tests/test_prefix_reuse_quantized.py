@@ -92,7 +92,10 @@ def _in_process(store_tokens=64, tail=16):
     a, b = shared + prompt_tokens(tail, seed=6), shared + prompt_tokens(tail, seed=8)
     store, cache = lru_prompt_cache_class()(), make_prompt_cache(model)
     first = run(a, cache)
-    store.insert_cache("model", a + [t for t, _ in first], cache)
+    try:
+        store.insert_cache("model", a + [t for t, _ in first], cache)
+    except NameError as exc:  # 0.31.1: QuantizedKVCache.nbytes calls tree_reduce, never imported
+        pytest.skip(f"this mlx-lm's LRUPromptCache cannot store quantized caches ({exc})")
     fetched, rest = store.fetch_nearest_cache("model", b)
     warm = run(list(rest), fetched if fetched is not None else make_prompt_cache(model))
     return len(b) - len(rest), warm, run(b, make_prompt_cache(model))
