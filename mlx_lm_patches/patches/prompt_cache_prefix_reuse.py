@@ -145,7 +145,7 @@ def _prompt(wrapped, instance, args, kwargs):
     from mlx_lm_patches.patches.batch_prefill_per_row import prefill_rows_alone
 
     tokens = args[0] if args else kwargs.get("tokens")
-    if not (pc.capturing() and tokens and len(tokens) == len(instance.uids)
+    if not (tokens and pc.capturing() and len(tokens) == len(instance.uids)
             and has_recurrent_state(instance.prompt_cache)):
         return wrapped(*args, **kwargs)
     batch_caches = instance.prompt_cache
