@@ -36,7 +36,7 @@ from mlx_lm_patches.engine import env
 from mlx_lm_patches.engine import matrix
 from mlx_lm_patches.engine import versions
 from mlx_lm_patches.engine.contract import NotNeeded
-from mlx_lm_patches.engine.patching import Patcher, owner_of, split_target
+from mlx_lm_patches.engine.patching import Patcher, Switch, owner_of, split_target
 from mlx_lm_patches.engine.traceless import random_state_kept
 
 log = logging.getLogger("mlx_lm_patches")
@@ -80,10 +80,19 @@ class _Record:
     state: State = State.INACTIVE
     detail: str = ""
     patcher: Optional[Patcher] = None
-    active: bool = False  # read by every wrapper we installed (soft revert)
     raise_errors: bool = False
     error: Optional[BaseException] = field(default=None, repr=False)
     applied_seq: int = 0  # order of application: revert undoes the latest first
+    switch: Switch = field(default_factory=Switch, repr=False)  # read by every wrapper we installed
+
+    @property
+    def active(self) -> bool:
+        """Whether this patch's wrappers run (off: a soft revert, alias copies included)."""
+        return bool(self.switch)
+
+    @active.setter
+    def active(self, on: bool) -> None:
+        self.switch.turn(on)
 
 
 class Engine:
@@ -294,7 +303,7 @@ class Engine:
                        else "bug not present in this mlx-lm")
                 self._set(rec, State.SKIPPED_PROBE, f"probe: {why}")
                 return
-            patcher = Patcher(spec.id, spec.targets, lambda rec=rec: rec.active,
+            patcher = Patcher(spec.id, spec.targets, rec.switch,
                               outer=self.matrix.later_than(spec.id))
             rec.patcher = patcher
             rec.active = True

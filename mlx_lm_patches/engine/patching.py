@@ -38,6 +38,15 @@ TAG = "_self_mlx_lm_patches_id"  # on our wrapt proxies (wrapt keeps _self_* on 
 SET_TAG = "__mlx_lm_patches_id__"  # on functions/classes we install with set()
 
 
+class Switch(list):
+    """Whether a patch's wrappers run, as wrapt's ``enabled``: true while it holds an item. A
+    list, not a function, so that wrapt tests it in C on every call of a wrapped function
+    (a callable would be one more Python call per call, e.g. per decoded token)."""
+
+    def turn(self, on: bool) -> None:
+        self[:] = [True] if on else []
+
+
 class _Missing:
     def __repr__(self):
         return "<missing>"
@@ -261,7 +270,7 @@ class TargetNotDeclared(ValueError):
 class Patcher:
     patch_id: str
     declared: tuple
-    is_active: Callable[[], bool]
+    is_active: Any  # wrapt's ``enabled``: a :class:`Switch` (or a callable giving a bool)
     outer: FrozenSet[str] = frozenset()  # patches declared after this one: their layers stay outside
     ops: List[Op] = field(default_factory=list)
     deferred: List[tuple] = field(default_factory=list)  # (module name, thunk, target)

@@ -20,7 +20,8 @@ Fix
     reference, bounded per sequence (default 8, thinned so that a kept state lies within a
     factor of two of any position) - whoever calls the model (``generate_step``,
     ``speculative_generate_step`` for main and draft model, ``BatchGenerator``, an engine's own
-    prefill loop). Decode steps only append their token array, unread. While an
+    prefill loop). Decode steps only append their token array, unread: one call into the
+    package per decoded token, constant in length. While an
     ``LRUPromptCache`` exists in the process (or ``MLX_LM_PATCHES_PREFIX_CHECKPOINTS`` is set),
     the prefill of ``generate_step`` and ``speculative_generate_step`` is also cut at powers of
     two, and ``BatchGenerator`` prefills hybrid rows one at a time. The kept states travel with
@@ -33,7 +34,10 @@ Fix
     state and its attention caches cut to the same position, and the rest of the request to
     prefill. ``ArraysCache`` stays untrimmable, so mlx-lm never trims a hybrid cache and never
     evicts shorter entries as redundant. Nothing is approximated: a state that cannot be
-    restored exactly is not used.
+    restored exactly is not used - nor one whose request would then attend to quantized KV
+    caches where a cold prefill attends to exact ones (``kv_bits``, ``mlx_lm.server
+    --kv-bits``): entries holding a ``QuantizedKVCache``, and requests long enough to be
+    quantized during their prefill once the process quantizes, are prefilled cold.
 
 Affected
     Every supported release (0.28.4 - 0.32.2); the probe decides on newer ones.
@@ -68,14 +72,40 @@ SERVER = "mlx_lm.server"
 # -- keeping states while prefilling ----------------------------------------------------------
 
 def _prefill_cut(wrapped, instance, args, kwargs):
-    """``generate_step`` / ``speculative_generate_step``: while a prompt-cache store exists,
-    the prefill (everything before the first token comes out) is cut at powers of two."""
+    """``generate_step``: while a prompt-cache store exists, the prefill is cut at powers of
+    two. Its multi-token passes are all prefill, so the passes run while its generator runs
+    are cut, and the generator itself is returned (decoding pays nothing here)."""
     from mlx_lm_patches.mechanisms import prefix_reuse as pc
 
+    _note_quantization(wrapped, kwargs)
+    steps = wrapped(*args, **kwargs)
+    if not pc.capturing() or pc.arm(steps):
+        return steps
+    return _cut_until_first(steps)
+
+
+def _speculative_prefill_cut(wrapped, instance, args, kwargs):
+    """``speculative_generate_step``: while a prompt-cache store exists, the prefill (everything
+    before the first token comes out) is cut at powers of two; its verification passes are not."""
+    from mlx_lm_patches.mechanisms import prefix_reuse as pc
+
+    _note_quantization(wrapped, kwargs)
     steps = wrapped(*args, **kwargs)
     if not pc.capturing():
         return steps
     return _cut_until_first(steps)
+
+
+def _note_quantization(function, kwargs):
+    """A generation asked to quantize its KV caches (``kv_bits``, keyword-only): restores of
+    hybrid prompts whose prefill would quantize are declined from then on (see ``_fetch``)."""
+    from mlx_lm_patches.mechanisms import prefix_reuse as pc
+
+    if kwargs.get("kv_bits") is not None:
+        start = kwargs.get("quantized_kv_start")
+        if start is None:
+            start = getattr(sys.modules[GENERATE], "DEFAULT_QUANTIZED_KV_START", 0)
+        pc.note_kv_quantization(kwargs["kv_bits"], start)
 
 
 def _cut_until_first(steps):
@@ -115,7 +145,7 @@ def _prompt(wrapped, instance, args, kwargs):
     from mlx_lm_patches.patches.batch_prefill_per_row import prefill_rows_alone
 
     tokens = args[0] if args else kwargs.get("tokens")
-    if not (pc.capturing() and tokens and len(tokens) == len(instance.uids)
+    if not (tokens and pc.capturing() and len(tokens) == len(instance.uids)
             and has_recurrent_state(instance.prompt_cache)):
         return wrapped(*args, **kwargs)
     batch_caches = instance.prompt_cache
@@ -201,7 +231,9 @@ def _fetch(wrapped, instance, args, kwargs):
     bound = bind_arguments(wrapped, args, kwargs)
     model, tokens = bound.arguments["model"], bound.arguments["tokens"]
     entries = [(key, cache) for key, cache in _entries(instance, model) if has_recurrent_state(cache)]
-    if entries:
+    if entries and pc.quantized_prefill(len(tokens)):
+        log.debug("mlx-lm-patches: prompt cache: no kept state reused (KV caches quantized: not exact)")
+    elif entries:
         found = pc.best_restore(entries, tokens, better_than=_stock_reuse(instance, model, tokens))
         if found is not None:
             cache, position = found
@@ -271,7 +303,7 @@ def apply(p):
         if target.endswith(":Model.__call__"):
             p.wrap(target, recorded_forward)
     p.wrap(f"{GENERATE}:generate_step", _prefill_cut)
-    p.wrap(f"{GENERATE}:speculative_generate_step", _prefill_cut)
+    p.wrap(f"{GENERATE}:speculative_generate_step", _speculative_prefill_cut)
     if hasattr(p.module(GENERATE), "PromptProcessingBatch"):
         p.wrap(f"{GENERATE}:PromptProcessingBatch.prompt", _prompt)
     else:

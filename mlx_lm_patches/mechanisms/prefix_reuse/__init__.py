@@ -36,17 +36,20 @@ Use
 from mlx_lm_patches.mechanisms.prefix_reuse.carry import (
     carry_extend, carry_extract, carry_filter, carry_merge, copy_row_trails)
 from mlx_lm_patches.mechanisms.prefix_reuse.cuts import CHAIN_FLOOR, FIRST_CUT, cut_points, thin
-from mlx_lm_patches.mechanisms.prefix_reuse.forward import cutting, recorded_forward
-from mlx_lm_patches.mechanisms.prefix_reuse.restore import best_restore, common_prefix, mark_exact, restored_copy, settle
-from mlx_lm_patches.mechanisms.prefix_reuse.settings import capturing, keeping, max_checkpoints, note_prompt_cache_created
+from mlx_lm_patches.mechanisms.prefix_reuse.forward import arm, cutting, recorded_forward
+from mlx_lm_patches.mechanisms.prefix_reuse.restore import (
+    best_restore, common_prefix, holds_quantized_kv, mark_exact, restored_copy, settle)
+from mlx_lm_patches.mechanisms.prefix_reuse.settings import (
+    capturing, keeping, max_checkpoints, note_kv_quantization, note_prompt_cache_created, quantized_prefill)
 from mlx_lm_patches.mechanisms.prefix_reuse.trails import (
-    TokenLog, Trail, batch_size, checkpoints, exact_history, is_empty, known_log, retained_nbytes, row_trails,
-    set_trails, trails)
+    TokenLog, TokenStore, Trail, batch_size, checkpoints, exact_history, is_empty, known_log, retained_nbytes,
+    row_trails, set_trails, trails)
 
 __all__ = [
-    "CHAIN_FLOOR", "FIRST_CUT", "TokenLog", "Trail", "batch_size", "best_restore", "capturing", "carry_extend",
-    "carry_extract", "carry_filter", "carry_merge", "checkpoints", "common_prefix", "copy_row_trails",
-    "cut_points", "cutting", "exact_history", "is_empty", "keeping", "known_log", "mark_exact",
-    "max_checkpoints", "note_prompt_cache_created", "recorded_forward", "restored_copy", "retained_nbytes",
-    "row_trails", "set_trails", "settle", "thin", "trails",
+    "CHAIN_FLOOR", "FIRST_CUT", "TokenLog", "TokenStore", "Trail", "arm", "batch_size", "best_restore",
+    "capturing", "carry_extend", "carry_extract", "carry_filter", "carry_merge", "checkpoints", "common_prefix",
+    "copy_row_trails", "cut_points", "cutting", "exact_history", "holds_quantized_kv", "is_empty", "keeping",
+    "known_log", "mark_exact", "max_checkpoints", "note_kv_quantization", "note_prompt_cache_created",
+    "quantized_prefill", "recorded_forward", "restored_copy", "retained_nbytes", "row_trails", "set_trails",
+    "settle", "thin", "trails",
 ]

@@ -6,18 +6,24 @@ A forward of one sequence (a batch of one) into a cache list whose history is kn
 (:func:`~.trails.known_log`) appends its tokens to the trails of the recurrent caches and, if
 it is a multi-token pass, keeps the recurrent states at its end, by reference (mlx arrays are
 immutable and models replace their cache slots, so this costs no copy and no evaluation). A
-single-token pass (a decode step) only appends its token array to the log, unread. A pass
+single-token pass (a decode step) only appends its token array to the log's store, unread, in
+the wrapper itself: plain decoding pays one call into the package per token, the same at any
+length. A pass
 that cannot be followed (a batch of several rows, embeddings instead of token ids, a cache
 whose slots were changed by something else) records nothing, and the history of that cache
 is unknown from then on; the states kept before stay valid, since each is checked token by
 token against the request it is used for.
 
-Inside :func:`cutting` (the prefill of ``generate_step`` and of ``BatchGenerator`` rows,
-while a prompt-cache store exists), a multi-token pass is also cut at powers of two
+Inside :func:`cutting` (the prefill of ``speculative_generate_step`` and of ``BatchGenerator``
+rows, while a prompt-cache store exists), and while a generator given to :func:`arm` runs
+(``generate_step``'s own, whose multi-token passes are all prefill), a multi-token pass is also
+cut at powers of two
 (:func:`~.cuts.cut_points`): more states, at positions a later request is likely to share.
 """
 
+import sys
 import threading
+import weakref
 from contextlib import contextmanager
 from typing import Optional, Sequence
 
@@ -38,6 +44,33 @@ class _Cutting:
         self.bound = None  # the cache list the seed was given to
 
 
+def arm(steps) -> bool:
+    """Cut the multi-token passes run while the generator ``steps`` runs in this thread, as
+    :func:`cutting` does, without a wrapper around its iteration (that would be one more call
+    per token). For ``generate_step``, whose multi-token passes are all its prefill. ``False``
+    if ``steps`` is not a generator."""
+    if not hasattr(steps, "gi_running"):
+        return False
+    armed = [ref for ref in getattr(_local, "armed", ()) if _alive(ref())]
+    armed.append(weakref.ref(steps))
+    _local.armed = armed
+    return True
+
+
+def _alive(generator) -> bool:
+    return generator is not None and generator.gi_frame is not None
+
+
+def _cuts_on() -> bool:
+    if getattr(_local, "cutting", None) is not None:
+        return True
+    for ref in getattr(_local, "armed", ()):
+        generator = ref()
+        if generator is not None and generator.gi_running:
+            return True
+    return False
+
+
 @contextmanager
 def cutting(seed: Optional[Sequence[int]] = None):
     """Within this block (in this thread), multi-token passes are also cut at powers of two.
@@ -53,8 +86,103 @@ def cutting(seed: Optional[Sequence[int]] = None):
 
 
 def recorded_forward(wrapped, instance, args, kwargs):
-    """The wrapper on a model class's ``__call__`` (``inputs, cache=None, ...``)."""
-    if getattr(_local, "inside", False) or not keeping():
+    """The wrapper on a model class's ``__call__`` (``inputs, cache=None, ...``).
+
+    The decode step of a followed sequence (one token into a cache list whose every recurrent
+    slot is still the one recorded after its last pass) is this one call and nothing else: no
+    other function of the package runs (so its checks are written out here), and its work does
+    not grow with the sequence: the token array is appended to the log's store, each recurrent
+    cache gets a trail with the new slots. Attention offsets are checked when the log is read
+    (:func:`~.trails.known_log`): a recorded pass adds as many tokens to them as to the log,
+    so a difference made outside stays visible. A pass of several rows is passed on at once."""
+    local = _local
+    if getattr(local, "inside", False):
+        return wrapped(*args, **kwargs)
+    # -- fast path: one token into a cache list whose every recurrent slot is the one recorded
+    # after the last pass (written out inline: a helper would be one more call per token)
+    if len(args) == 1:
+        inputs, cache = args[0], (kwargs.get("cache") if len(kwargs) == 1 else None)
+    elif len(args) == 2 and not kwargs:
+        inputs, cache = args
+    else:
+        inputs = cache = None
+    if type(cache) is list and type(inputs) is _ARRAY:
+        shape = inputs.shape
+        if len(shape) == 2 and shape[0] != 1:  # several rows (a batch decoding): nothing to follow
+            local.inside = True
+            try:
+                return wrapped(*args, **kwargs)
+            finally:
+                local.inside = False
+        if len(shape) == 2 and shape[0] == 1 and shape[1] == 1 and inputs.dtype in _INTEGER_DTYPES:
+            cache_module = _modules["mlx_lm.models.cache"]
+            arrays_cache, cache_list = cache_module.ArraysCache, getattr(cache_module, "CacheList", ())
+            followed, log = [], None
+            for entry in cache:
+                if isinstance(entry, arrays_cache):
+                    inner = (entry,)
+                elif isinstance(entry, cache_list):
+                    inner = entry.caches
+                else:
+                    continue  # an attention cache
+                for leaf in inner:
+                    if not isinstance(leaf, arrays_cache):
+                        continue
+                    rows = leaf.__dict__.get(ATTR)
+                    trail = rows[0] if rows is not None and len(rows) == 1 else None
+                    after = trail.after if trail is not None else None
+                    live = leaf.cache
+                    if after is None or (log is not None and trail.log is not log) or len(live) != len(after):
+                        log = False
+                        break
+                    for a, b in zip(live, after):
+                        if a is not b:
+                            log = False
+                            break
+                    if log is False:
+                        break
+                    log = trail.log
+                    followed.append((leaf, trail))
+                if log is False:
+                    break
+            if log is not None and log is not False:
+                local.inside = True
+                try:
+                    out = wrapped(*args, **kwargs)
+                finally:
+                    local.inside = False
+                store, length = log.store, log.length
+                if store.length == length:  # the end of its store: append in place
+                    store.pending.append(inputs)
+                    store.length = length + 1
+                    log = _new(TokenLog)
+                    log.store, log.length, log._ids = store, length + 1, None
+                else:
+                    log = log.extended(inputs[0])  # two sequences going on from one prefix
+                for leaf, trail in followed:
+                    new = _new(Trail)
+                    new.log, new.marks, new.after = log, trail.marks, list(leaf.cache)
+                    leaf.__dict__[ATTR] = [new]
+                return out
+    return _slow(wrapped, args, kwargs)
+
+
+_new = object.__new__
+_modules = sys.modules
+_ARRAY = None  # mx.array, set by the first slow pass (a fast one follows a slow one)
+_INTEGER_DTYPES = ()
+
+
+def _slow(wrapped, args, kwargs):
+    """Every pass but the decode step of a followed sequence."""
+    global _ARRAY, _INTEGER_DTYPES
+    if _ARRAY is None:
+        import mlx.core as mx
+
+        _INTEGER_DTYPES = tuple(getattr(mx, n) for n in ("uint32", "int32", "int64", "uint64", "int16",
+                                                         "uint16", "int8", "uint8") if hasattr(mx, n))
+        _ARRAY = mx.array
+    if not keeping():
         return wrapped(*args, **kwargs)
     inputs = args[0] if args else kwargs.get("inputs")
     cache = args[1] if len(args) > 1 else kwargs.get("cache")
@@ -134,7 +262,7 @@ def _multi(wrapped, args, kwargs, inputs, cache, leaves, log, marks, plain):
     import mlx.core as mx
 
     start, length = len(log), inputs.shape[1]
-    cuts = cut_points(start, start + length) if plain and getattr(_local, "cutting", None) is not None else []
+    cuts = cut_points(start, start + length) if plain and _cuts_on() else []
     if not cuts:
         out = wrapped(*args, **kwargs)
         log = log.extended(inputs[0])

@@ -92,14 +92,25 @@ def _drop_trimmed_buffer(cache) -> None:
             cache._idx = cache.offset
 
 
+def holds_quantized_kv(caches) -> bool:
+    """Whether a cache list holds quantized attention caches (``QuantizedKVCache``, from
+    ``kv_bits``): keys and values rounded once their chunk was done, so the rest of a request
+    prefilled on them attends to other values than a cold prefill does."""
+    import sys
+
+    quantized = getattr(sys.modules.get("mlx_lm.models.cache"), "QuantizedKVCache", None)
+    return quantized is not None and any(isinstance(c, quantized) for c in attention_caches(caches))
+
+
 def best_restore(entries, tokens: Sequence[int], better_than: int):
     """From ``entries`` (``(key, caches)`` pairs of a prompt-cache store), the cache list taken
     back to the longest kept position ``c`` with ``better_than < c <= len(tokens) - 1`` whose
-    tokens ``tokens`` starts with: ``(copy, c)``, or ``None``."""
+    tokens ``tokens`` starts with: ``(copy, c)``, or ``None``. Entries holding quantized
+    attention caches are not used (not exact: see :func:`holds_quantized_kv`)."""
     candidates = []
     limit_all = len(tokens) - 1
     for key, caches in entries:
-        if not recurrent_caches(caches):
+        if not recurrent_caches(caches) or holds_quantized_kv(caches):
             continue
         limit = min(common_prefix(key, tokens), limit_all)
         if limit <= better_than:

@@ -2,6 +2,7 @@
 
 
 _lru_seen = False  # an LRUPromptCache was created in this process
+_quantized_from = None  # smallest quantized_kv_start of a generation asked to quantize its KV caches
 
 
 def max_checkpoints(environ=None) -> int:
@@ -36,3 +37,20 @@ def capturing() -> bool:
     if max_checkpoints() == 0:
         return False
     return _lru_seen or bool(os.environ.get(PREFIX_CHECKPOINTS, "").strip())
+
+
+def note_kv_quantization(kv_bits, quantized_kv_start) -> None:
+    """A generation in this process quantizes its KV caches (``kv_bits``) from
+    ``quantized_kv_start`` tokens on (``mlx_lm.server --kv-bits``: every request)."""
+    global _quantized_from
+    if kv_bits is None or not isinstance(quantized_kv_start, int):
+        return
+    if _quantized_from is None or quantized_kv_start < _quantized_from:
+        _quantized_from = quantized_kv_start
+
+
+def quantized_prefill(length: int) -> bool:
+    """Whether a prefill of ``length`` tokens may quantize its KV caches on the way (after a
+    prefill chunk that reaches ``quantized_kv_start``): where it does depends on where the
+    chunks end, so a prefill resumed from a restored state does not equal a cold one."""
+    return _quantized_from is not None and length >= _quantized_from

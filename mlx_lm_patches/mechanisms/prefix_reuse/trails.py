@@ -10,33 +10,71 @@ from mlx_lm_patches.mechanisms.caches import (
 ATTR = "_mlx_lm_patches_trails"  # on ArraysCache objects: one Trail (or None) per batch row
 
 
+class TokenStore:
+    """The tokens of one sequence, append-only and shared by the logs of its prefixes: a
+    materialised prefix (``ids``) and the token arrays appended since (``pending``), read only
+    when a log's ids are asked for. Appending is O(1) (a list append), so a decode step costs
+    the same at any length."""
+
+    __slots__ = ("ids", "pending", "length")
+
+    def __init__(self, ids: tuple = (), pending: Optional[list] = None):
+        self.ids, self.pending = ids, pending if pending is not None else []
+        self.length = len(ids) + sum(a.shape[-1] for a in self.pending)
+
+    def materialise(self) -> tuple:
+        if self.pending:
+            import mlx.core as mx
+
+            self.ids = self.ids + tuple(mx.concatenate([a.reshape(-1) for a in self.pending]).tolist())
+            self.pending = []
+        return self.ids
+
+
 class TokenLog:
-    """The tokens a row has seen, appended to without reading them: a materialised prefix plus
-    the token arrays of the passes since, read (``ids``) only when a kept state is checked
-    against a request. So a forward pass records its tokens without waiting for them (decode
-    steps feed tokens that are still being computed). Immutable: ``extended`` gives a new log."""
+    """The tokens a row has seen: the first ``length`` tokens of a :class:`TokenStore`, appended
+    to without reading them (a forward pass records its tokens without waiting for them: decode
+    steps feed tokens that are still being computed). Immutable: ``extended`` gives a new log,
+    appending to the store in place when this log is its end (no copy), else forking a store
+    of its own (two sequences going on from one shared prefix)."""
 
-    __slots__ = ("_base", "_pending", "_ids", "length")
+    __slots__ = ("store", "length", "_ids")
 
-    def __init__(self, base: tuple = (), pending: tuple = (), length: Optional[int] = None):
-        self._base, self._pending, self._ids = tuple(base), pending, None
-        self.length = len(self._base) + sum(a.shape[-1] for a in pending) if length is None else length
+    def __init__(self, base: tuple = ()):
+        self.store = TokenStore(tuple(base))
+        self.length, self._ids = self.store.length, None
+
+    @classmethod
+    def view(cls, store: TokenStore, length: int) -> "TokenLog":
+        log = object.__new__(cls)
+        log.store, log.length, log._ids = store, length, None
+        return log
 
     def extended(self, piece) -> "TokenLog":
         """This log followed by ``piece`` (a 1-D ``mx.array`` of token ids)."""
-        if self._ids is not None:
-            return TokenLog(self._ids, (piece,), self.length + piece.shape[-1])
-        return TokenLog(self._base, self._pending + (piece,), self.length + piece.shape[-1])
+        store, n = self.store, piece.shape[-1]
+        if store.length == self.length:
+            store.pending.append(piece)
+            store.length += n
+            return TokenLog.view(store, self.length + n)
+        return TokenLog.view(self._fork(piece), self.length + n)
+
+    def _fork(self, piece) -> TokenStore:
+        store = self.store
+        if self.length <= len(store.ids):
+            return TokenStore(store.ids[: self.length], [piece])
+        pending, held = [], len(store.ids)
+        for array in store.pending:
+            if held == self.length:
+                break
+            pending.append(array)
+            held += array.shape[-1]
+        return TokenStore(store.ids, pending + [piece])
 
     def ids(self) -> tuple:
         if self._ids is None:
-            if self._pending:
-                import mlx.core as mx
-
-                self._ids = self._base + tuple(mx.concatenate([a.reshape(-1) for a in self._pending]).tolist())
-            else:
-                self._ids = self._base
-            self._pending = ()
+            ids = self.store.materialise()
+            self._ids = ids if len(ids) == self.length else ids[: self.length]
         return self._ids
 
     def __len__(self):
