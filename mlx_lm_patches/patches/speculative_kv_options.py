@@ -247,7 +247,8 @@ def apply(p):
 def scenario():
     """Speculation through ``max_kv_size`` windows past the window (hybrid and dense main
     models, dense draft) equals ``generate_step`` through the same kind of caches; with
-    ``kv_bits`` it refuses before the first token."""
+    ``kv_bits`` it refuses before the first token where the cache would convert, and runs
+    exactly below ``quantized_kv_start``."""
     from mlx_lm.models.cache import make_prompt_cache
 
     from mlx_lm_patches.demos.scenarios import greedy, prompt_tokens, speculative_greedy
@@ -279,14 +280,25 @@ def scenario():
     import mlx.core as mx
     from mlx_lm.generate import speculative_generate_step
 
-    steps = speculative_generate_step(mx.array(prompt_tokens(8)), build_tiny_model("qwen3", seed=1), draft,
-                                      kv_bits=4, kv_group_size=16, max_tokens=4)
+    model, quantized = build_tiny_model("qwen3", seed=1), dict(kv_bits=4, kv_group_size=16)
+    steps = speculative_generate_step(mx.array(prompt_tokens(8)), model, draft, max_tokens=4,
+                                      quantized_kv_start=0, **quantized)
     try:
         next(steps)
     except Exception as exc:
         if KV_BITS_REFUSAL not in str(exc):
             return Outcome.failure("speculation with kv_bits", exc)
-        details.append("kv_bits: refused before the first token")
+        details.append("kv_bits from token 0: refused before the first token")
     else:
         return Outcome.failure("speculation with kv_bits yielded a token instead of refusing")
-    return Outcome(True, "speculation through max_kv_size windows exact; kv_bits refused up front", details)
+    # mlx-lm's default quantized_kv_start (5000) is far beyond this generation: nothing converts
+    try:
+        got = speculative_greedy(model, draft, prompt_tokens(8), max_tokens=4, **quantized)
+    except Exception as exc:
+        return Outcome.failure("speculation with kv_bits below quantized_kv_start", exc)
+    problem = greedy(model, prompt_tokens(8), max_tokens=4, **quantized).compare(got)
+    if problem:
+        return Outcome.failure(f"speculation with kv_bits below quantized_kv_start: {problem}")
+    details.append("kv_bits below quantized_kv_start: runs, equal to generate_step")
+    return Outcome(True, "speculation through max_kv_size windows exact; kv_bits refused up front where "
+                   "the cache would convert", details)
