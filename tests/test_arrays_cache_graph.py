@@ -13,7 +13,6 @@ release with ``advance`` (0.30.4+); that is outside mlx-lm's loops and not measu
 """
 
 import gc
-import io
 
 import pytest
 
@@ -27,22 +26,15 @@ mlx_lm_patches.apply()
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models.cache import ArraysCache  # noqa: E402
 
+from mlx_lm_patches.patches.arrays_cache_metadata_graph import graph_edges  # noqa: E402
+
 MODEL = "qwen3_next" if "qwen3_next" in available_model_types() else available_model_types()[0]
-
-
-def _edges(arrays):
-    arrays = [a for a in arrays if isinstance(a, mx.array)]
-    if not arrays:
-        return 0
-    out = io.StringIO()
-    mx.export_to_dot(out, *arrays)
-    return out.getvalue().count("->")
 
 
 def _graph():
     caches = [o for o in gc.get_objects() if isinstance(o, ArraysCache)]
     meta = [getattr(c, name, None) for c in caches for name in ("left_padding", "lengths")]
-    return _edges(meta), _edges([a for c in caches for a in c.cache])
+    return graph_edges(meta), graph_edges([a for c in caches for a in c.cache])
 
 
 PATCH = "arrays-cache-metadata-graph"
