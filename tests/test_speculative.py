@@ -217,9 +217,12 @@ def test_kept_states_are_counted_and_bounded(monkeypatch):
     # test_speculative_budget.py).
     with pytest.raises(RollbackRefused, match="MLX_LM_PATCHES_ROLLBACK_SNAPSHOTS=3"):
         Journal(model, make_prompt_cache(model), window=4)
+    # Malformed: one warning, the default used; the user's speculation runs (exact).
     monkeypatch.setenv("MLX_LM_PATCHES_ROLLBACK_SNAPSHOTS", "many")
+    got = speculative_greedy(model, model, prompt_tokens(5), max_tokens=3)
+    assert greedy(model, prompt_tokens(5), max_tokens=3).compare(got) is None
     with pytest.raises(EnvError, match="MLX_LM_PATCHES_ROLLBACK_SNAPSHOTS='many'"):
-        speculative_greedy(model, model, prompt_tokens(5), max_tokens=3)
+        mlx_lm_patches.apply()  # an explicit call says it
 
 
 def test_a_prompt_cache_of_the_wrong_length_is_a_clear_error():

@@ -9,9 +9,10 @@ Bug
     (qwen3_next, qwen3_5, qwen3_5_moe, kimi_linear, plamo2, mamba2, ...).
 
 Fix
-    ``ArraysCache.make_mask`` combines both: a position counts when it is at or after the row's
-    left padding *and* before the row's length - the rule mlx-lm 0.32.0 adopted. With only one
-    of the two set the mask is what it was.
+    A cache that ``prepare`` or ``extend`` leaves with both set gets a ``make_mask`` of its own
+    that combines them: a position counts when it is at or after the row's left padding *and*
+    before the row's length - the rule mlx-lm 0.32.0 adopted; ``finalize`` takes it away. The
+    class's ``make_mask`` is untouched, so single-sequence decoding never calls into the package.
 
 Affected
     mlx-lm 0.31.3 (0.32.0 fixed ``make_mask``).
@@ -29,22 +30,43 @@ Metal
 """
 
 import sys
+import types
 
 from mlx_lm_patches.engine.contract import Outcome
 
 CACHE = "mlx_lm.models.cache"
 
 
-def _make_mask(wrapped, instance, args, kwargs):
+def _combined_mask(cache, n):
+    """``make_mask`` of a cache with both ``left_padding`` and ``lengths`` set."""
     import mlx.core as mx
 
-    n = args[0] if args else kwargs["N"]
-    left_padding = getattr(instance, "left_padding", None)
-    lengths = getattr(instance, "lengths", None)
+    left_padding, lengths = cache.left_padding, cache.lengths
     if left_padding is None or lengths is None:
-        return wrapped(*args, **kwargs)
+        return type(cache).make_mask(cache, n)
     pos = mx.arange(n)
     return (pos >= left_padding[:, None]) & (pos < lengths[:, None])
+
+
+def _drop_mask(cache):
+    vars(cache).pop("make_mask", None)
+
+
+def apply(p):
+    def combining(wrapped, instance, args, kwargs):  # prepare / extend
+        out = wrapped(*args, **kwargs)
+        if instance.left_padding is not None and instance.lengths is not None and "make_mask" not in vars(instance):
+            instance.make_mask = types.MethodType(_combined_mask, instance)
+            p.track(instance, _drop_mask, "make_mask combining left_padding and lengths")
+        return out
+
+    def finalizing(wrapped, instance, args, kwargs):
+        _drop_mask(instance)
+        return wrapped(*args, **kwargs)
+
+    p.wrap(f"{CACHE}:ArraysCache.prepare", combining)
+    p.wrap(f"{CACHE}:ArraysCache.extend", combining)
+    p.wrap(f"{CACHE}:ArraysCache.finalize", finalizing)
 
 
 def probe():
@@ -61,10 +83,6 @@ def probe():
         got = None if mask is None else mask.tolist()
         return f"ArraysCache.make_mask ignores lengths when left_padding is set (got {got})"
     return None
-
-
-def apply(p):
-    p.wrap(f"{CACHE}:ArraysCache.make_mask", _make_mask)
 
 
 def scenario():
