@@ -24,11 +24,13 @@ every k), its own proposal elsewhere (``tests/support/mtp_drafts.hinted_draft`` 
 
 Printed per family:
 
-1. Costs relative to one plain decode step of the main model after ``--context`` tokens: a draft
-   step (draft model; MTP head), a verify pass of k+1 tokens (through the journal the speculative
-   loop keeps), the rollback of a rejected round whose first draft token was rejected (hybrids:
-   the journal's state restore plus the fused re-run of the kept token in front of the next
-   verify pass, i.e. verify(k+2) - verify(k+1); attention-only models: the cache trim).
+1. Costs relative to one plain decode step of the main model after ``--context`` tokens (each
+   operation timed beside a plain step, so both see the same load; the median of
+   ``--cost-repeats`` ratios): a draft step (draft model; MTP head, a recycled step), a verify
+   pass of k+1 tokens (through the journal the speculative loop keeps), the rollback of a round
+   whose first draft token was rejected (hybrids: the journal's state restore plus what the fused
+   re-run of the kept token adds to the next verify pass, against the same pass without it;
+   attention-only models: the cache trim).
 2. Throughput ratio speculation / plain greedy (mlx-lm's ``speculative_generate_step`` vs
    ``generate_step``, prompt and ``--tokens`` tokens, best of ``--repeats`` interleaved runs so both
    see the same load) for every fixed k and hinted rate, with the modelled ratio and whether the
@@ -42,9 +44,9 @@ Cost model (per-token acceptance ``a``, costs in main decode steps):
     ratio(k)               = E[tokens](k) / cost(k),   ratio(0) = 1 (plain decoding)
 
 ``rollback(k, a)`` is the expected rollback of a rejected round: the first rejection at draft
-position j (probability proportional to a^(j-1) (1-a)) restores the state and re-runs j kept tokens
-in front of the next verify pass: restore(k) + verify(k+1+j) - verify(k+1); attention-only
-models: the trim alone.
+position j (probability proportional to a^(j-1) (1-a)) restores the state and re-runs the j kept
+tokens in front of the next verify pass: restore + what that re-run adds to the pass, both
+measured for each j needed; attention-only models: the trim alone. The costs table shows j = 1.
 
 Run by hand; tests never assert on speed. CPU numbers: ratios only.
 """
@@ -149,35 +151,36 @@ class Costs:
     a cost is the median of ``repeats`` such ratios over consecutive operations (after one not
     counted), on caches prefilled with ``context`` tokens."""
 
-    def __init__(self, model, context, repeats, window):
+    def __init__(self, model, context, repeats):
         import mlx.core as mx
 
         from mlx_lm_patches.demos.scenarios import prompt_tokens
 
-        self.model, self.repeats, self.window = model, repeats, window
+        self.model, self.repeats = model, repeats
         self.prompt = mx.array(prompt_tokens(context, vocab=256, seed=7))[None]
         self._verify, self._rejected, self.replayed = {}, {}, {}
         self.steps = []  # seconds of every plain step timed
 
-    def _prefilled(self, model, journaled):
+    def _prefilled(self, model, journaled, window=1):
         import mlx.core as mx
         from mlx_lm.models.cache import make_prompt_cache
 
         from mlx_lm_patches.mechanisms.journal import Journal
 
         cache = make_prompt_cache(model)
-        journal = Journal(model, cache, window=self.window, fuse=True) if journaled else None
+        journal = Journal(model, cache, window=window, fuse=True) if journaled else None
         (journal.forward if journaled else model)(self.prompt, cache=cache)
         mx.eval([c.state for c in cache])
         return cache, journal
 
-    def _series(self, op, journaled=True, model=None):
-        """Median of ``op(cache, journal)`` / a plain main step over consecutive calls."""
+    def _series(self, op, journaled=True, model=None, window=1):
+        """Median of ``op(cache, journal)`` / a plain main step over consecutive calls; the
+        journal keeps what a trim of ``window`` tokens needs (the speculative loop's: k+1)."""
         import statistics
 
         import mlx.core as mx
 
-        cache, journal = self._prefilled(model or self.model, journaled)
+        cache, journal = self._prefilled(model or self.model, journaled, window)
         plain, _ = self._prefilled(self.model, False)
         ratios = []
         for i in range(self.repeats + 1):
@@ -210,31 +213,39 @@ class Costs:
             return time.perf_counter() - start
 
         if n not in self._verify:
-            self._verify[n] = self._series(op)
+            self._verify[n] = self._series(op, window=n)
         return self._verify[n]
 
     def rejected(self, k, kept):
-        """(restore, re-run) of rounds that verify k+1 tokens and keep ``kept`` of them, one after
-        another: the trim of the k+1-kept rejected tokens (hybrids: the state restore), and what
-        the re-run of the kept tokens adds to the next verify pass (hybrids: fused in front of its
-        tokens; attention-only models replay nothing: 0)."""
+        """(restore, re-run) of a round that verifies k+1 tokens and keeps ``kept`` of them, on a
+        freshly prefilled cache each time: the trim of the k+1-kept rejected tokens (hybrids: the
+        state restore), and what the re-run of the kept tokens adds to the next verify pass
+        (hybrids: fused in front of its tokens; attention-only models replay nothing: 0)."""
         import mlx.core as mx
         from mlx_lm.models.cache import trim_prompt_cache
 
-        def op(cache, journal):
-            start = time.perf_counter()
-            mx.eval(journal.forward(mx.array([[5] * (k + 1)]), cache))  # re-runs the last round's kept tokens
-            passed = time.perf_counter() - start
+        def op(_cache, _journal):
+            cache, journal = self._prefilled(self.model, True, window=k + 1)
+            mx.eval(journal.forward(mx.array([[5] * (k + 1)]), cache))
             start = time.perf_counter()
             trim_prompt_cache(cache, k + 1 - kept)
             mx.eval([c.state for c in cache])
             restored = time.perf_counter() - start
             self.replayed[k] = journal.position - journal.pos  # left to the next pass
-            return passed, restored
+            start = time.perf_counter()
+            mx.eval(journal.forward(mx.array([[6] * (k + 1)]), cache))  # re-runs them in front
+            passed = time.perf_counter() - start
+            journal.detach()
+            cache, journal = self._prefilled(self.model, True, window=k + 1)  # the same pass, no re-run
+            start = time.perf_counter()
+            mx.eval(journal.forward(mx.array([[6] * (k + 1)]), cache))
+            alone = time.perf_counter() - start
+            journal.detach()
+            return restored, passed, alone
 
         if (k, kept) not in self._rejected:
-            fused, restore = self._series(op)  # every pass after the first re-runs the last one's kept tokens
-            rerun = max(0.0, fused - self.verify(k + 1)) if self.replayed[k] else 0.0
+            restore, fused, alone = self._series(op, journaled=False)
+            rerun = max(0.0, fused - alone) if self.replayed[k] else 0.0
             self._rejected[k, kept] = (restore, rerun)
         return self._rejected[k, kept]
 
@@ -365,7 +376,7 @@ def run_family(family, args):
     ref = greedy(model, prompt, max_tokens=args.tokens)
     sequence = prompt + ref.tokens
 
-    costs = Costs(model, args.context, args.cost_repeats, window=max(args.ks) + 1)
+    costs = Costs(model, args.context, args.cost_repeats)
     draft_cost = costs.draft_model_step(draft_model)
     print(f"\n== {family}: main {describe(main_shape)}, vocab {args.vocab}; draft model {describe(draft_shape)}; "
           "MTP head of one layer")
@@ -376,9 +387,8 @@ def run_family(family, args):
     print("    verify of k+1    " + " ".join(f"{costs.verify(k + 1):>5.2f}" for k in ks))
     print("    rollback         " + " ".join(f"{costs.rollback(k):>5.2f}" for k in ks), end="")
     if any(costs.replayed[k] for k in ks):
-        print("  (rounds rejecting their first draft, one after another: state restore",
-              " ".join(f"{costs.rejected(k, 1)[0]:.2f}" for k in ks), "+ what the fused re-run of",
-              "/".join(str(costs.replayed[k]) for k in ks), "kept tokens adds to the next verify pass",
+        print("  (first draft rejected: state restore", " ".join(f"{costs.rejected(k, 1)[0]:.2f}" for k in ks),
+              "+ what the fused re-run of the kept token adds to the next verify pass",
               " ".join(f"{costs.rejected(k, 1)[1]:.2f}" for k in ks) + ")")
     else:
         print("  (first draft rejected: caches trimmed, no model call)")
@@ -405,9 +415,10 @@ def main():
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--context", type=int, default=128, help="tokens before the cost measurements")
     parser.add_argument("--prompt-len", type=int, default=16)
-    parser.add_argument("--cost-repeats", type=int, default=9, help="consecutive operations per cost (median)")
+    parser.add_argument("--cost-repeats", type=int, default=9, help="timings per cost (median)")
     parser.add_argument("--quick", action="store_true",
-                        help="smoke setting (< 60 s): qwen3_5 unless --families, 8 tokens, one repeat, accept 0 1, k 1 3, context 16")
+                        help="smoke setting (< 60 s of CPU): qwen3_5 unless --families, 8 tokens, one "
+                        "repeat, accept 0 1, k 1 3, context 16, 3 timings per cost")
     args = parser.parse_args()
     if args.quick:
         args.families, args.tokens, args.repeats = args.families or ["qwen3_5"], 8, 1
