@@ -62,7 +62,8 @@ from pathlib import Path
 # test-only support (hinted MTP drafts) lives in tests/support
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-FAMILIES = ("qwen3_5", "nemotron_h", "deepseek_v3")
+FAMILIES = ("qwen3_5", "nemotron_h", "deepseek_v3")  # the default run
+SHAPED = FAMILIES + ("deepseek_v32", "glm4_moe_lite")  # the families proportions() can shape
 NEMOTRON_UNIT = "M-M-M-M*-"  # Nemotron-H's blocks: Mamba-2 mixers and MLPs, one attention per nine
 
 
@@ -96,13 +97,13 @@ def proportions(family, layers, hidden, vocab):
                 "num_attention_heads": heads, "num_key_value_heads": heads, "n_routed_experts": 8,
                 "num_experts_per_tok": 2, "kv_lora_rank": hidden // 4, "q_lora_rank": 3 * hidden // 8,
                 "qk_rope_head_dim": 16, "qk_nope_head_dim": 32, "v_head_dim": 32}
-    raise SystemExit(f"speculation_costs: no proportions for family {family!r}; known: {', '.join(FAMILIES)}")
+    raise ValueError(f"no proportions for family {family!r}; known: {', '.join(SHAPED)}")
 
 
 def draft_proportions(family, hidden, vocab):
     """The draft model: the family's smallest whole pattern (four layers; two for the
-    DeepSeek-V3 layout), half the width."""
-    return proportions(family, 2 if family.startswith("deepseek") else 4, hidden // 2, vocab)
+    DeepSeek-V3 layout: a dense layer and an MoE one), half the width."""
+    return proportions(family, 4 if family in ("qwen3_5", "nemotron_h") else 2, hidden // 2, vocab)
 
 
 def describe(model_overrides):
@@ -427,6 +428,9 @@ def main():
     bad = [a for a in args.accept if not 0 <= a <= 1] + [k for k in args.ks if k < 1]
     if bad:
         parser.error(f"--accept takes rates in [0, 1] and --ks draft lengths >= 1; got {bad}")
+    unknown = [f for f in args.families if f not in SHAPED]
+    if unknown:
+        parser.error(f"--families: no proportions for {', '.join(unknown)}; known: {', '.join(SHAPED)}")
 
     import mlx_lm_patches
 
