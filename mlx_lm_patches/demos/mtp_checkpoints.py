@@ -19,7 +19,8 @@ weights include an MTP head:
   index does not list) or ``"model-mtp"`` (a ``model-mtp.safetensors`` file);
 * ``declare``: whether config.json declares the MTP layers; ``drop``: MTP tensors left out;
   ``dtype``: of the floating-point tensors written (default ``"bfloat16"``; ``"float32"`` for
-  decoding on CPU, where mlx's MoE kernels need float32).
+  decoding on CPU, where mlx's MoE kernels need float32); ``config_overrides``: top-level keys of
+  the tiny config replaced (e.g. more layers, wider, for ``benchmarks/speculation_costs.py``).
 
 ``deepseek_v3``, ``deepseek_v32``, ``glm4_moe`` and ``glm4_moe_lite`` (three layers) get the DeepSeek-V3 layout: in
 HF form the head is ``model.layers.3`` (``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm``,
@@ -279,7 +280,8 @@ def _nemotron_head_config(config):
 
 
 def write_mtp_checkpoint(root, family, *, form="mlx", quantized=False, placement="shards",
-                         declare=True, drop=(), name=None, dtype="bfloat16", overrides=None) -> Written:
+                         declare=True, drop=(), name=None, dtype="bfloat16", overrides=None,
+                         config_overrides=None) -> Written:
     import mlx.core as mx
     import mlx.nn as nn
     from mlx.utils import tree_flatten
@@ -289,8 +291,8 @@ def write_mtp_checkpoint(root, family, *, form="mlx", quantized=False, placement
     from mlx_lm_patches.demos.tiny_models import build_tiny_model, tiny_config
 
     dtype = getattr(mx, dtype)
-    config = tiny_config(family)
-    model = build_tiny_model(family, seed=0)
+    config = dict(tiny_config(family), **(config_overrides or {}))
+    model = build_tiny_model(family, seed=0, overrides=config_overrides)
     folder = pathlib.Path(root) / (name or f"{family}-{form}{'-q4' if quantized else ''}-{placement}")
     if family == "nemotron_h":
         config = _nemotron_head_config(config)
