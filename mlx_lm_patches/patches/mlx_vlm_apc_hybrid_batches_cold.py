@@ -66,8 +66,13 @@ def apply(p):
 def probe():
     """Evidence: a tiny Qwen3.5 whose requests sent together beside a cache hit are answered
     differently from each alone (or raise)."""
-    from mlx_lm_patches.demos.tiny_vlm_models import apc_mixed_prefill_problem
+    import importlib.util
 
+    from mlx_lm_patches.demos.tiny_vlm_models import apc_mixed_prefill_problem
+    from mlx_lm_patches.engine.contract import NotNeeded
+
+    if importlib.util.find_spec("mlx_vlm.apc") is None:
+        return NotNeeded("mlx_vlm.apc missing in this mlx-vlm (no prefix cache): not needed")
     try:
         problem = apc_mixed_prefill_problem("qwen3_5")
     except (ValueError, TypeError) as exc:
