@@ -204,11 +204,34 @@ PYTHON_ONLY = (
 )
 
 
+# What every row of the matrix runs, ``suite: core`` rows included (compat_matrix.yaml): the
+# matrix cells (each patch's scenario stock and patched, through ``check``), the probes' traces,
+# decoding's calls per token, and what changes with each release beside the patches' scenarios:
+# batching, cache construction and offsets, MambaCache, MTP weights at load, ``max_kv_size``.
+CORE = (
+    "test_matrix_cells.py",
+    "test_cli.py",
+    "test_probe_traces.py",
+    "test_decode_overhead.py",
+    "test_batching.py",
+    "test_mamba_cache_compat.py",
+    "test_arrays_cache_optional_size.py",
+    "test_arrays_cache_graph.py",
+    "test_offset_consumers.py",
+    "test_mtp_load.py",
+    "test_mtp_load_paths.py",
+    "test_max_kv_size.py",
+    "test_fixtures.py",
+)
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         where = f"{item.path.name}::{item.originalname}"
         if item.path.name in PYTHON_ONLY or where in PYTHON_ONLY:
             item.add_marker(pytest.mark.python_only)
+        if item.path.name in CORE:
+            item.add_marker(pytest.mark.core)
 
 
 def pytest_addoption(parser):
@@ -230,7 +253,8 @@ def _family_sweep(request):
     if family in families:
         from support import sweeps
 
-        reason = sweeps.skip_reason(family, families, full=request.config.getoption("--full-sweeps"))
+        reason = sweeps.skip_reason(family, families, full=request.config.getoption("--full-sweeps"),
+                                    core=request.node.get_closest_marker("core") is not None)
         if reason:
             pytest.skip(reason)
 

@@ -91,6 +91,8 @@ def test_readme_table_is_generated_from_the_matrix(the_matrix):
                                             "packages": {"mlx-vlm": "new"}}), "not a version"),
     (lambda d: d["tested_versions"].append({"mlx_lm": "0.32.2", "mlx": "0.32.4", "python": "3.12",
                                             "packages": ["mlx-vlm"]}), "must map"),
+    (lambda d: d["tested_versions"].append({"mlx_lm": "0.32.2", "mlx": "0.32.4", "python": "3.12",
+                                            "suite": "smoke"}), "not one of full, core"),
     (lambda d: d["patches"][0].update(package="mlx vlm"), "not a distribution name"),
     (lambda d: d["patches"][0].update(package="mlx-vlm"), "must lie in mlx-vlm's modules"),
 ])
@@ -113,3 +115,16 @@ def test_ci_runs_the_readme_test_command():
     commands = [block.split("```", 1)[0].strip() for block in readme.read_text().split("```sh\n")[1:]]
     test_command = next(c for c in commands if "run_matrix.py" in c)
     assert test_command in ci.read_text().splitlines()
+
+
+def test_full_rows_span_the_releases(the_matrix):
+    """``suite: core`` rows run a subset (tools/run_matrix.py): the oldest and the newest release
+    keep a full row with their release-time mlx, and so does the newest mlx on the newest release."""
+    rows = [r for r in the_matrix.tested_versions if not r.packages]
+    releases = sorted({Version(r.mlx_lm) for r in rows})
+    full = {(Version(r.mlx_lm), r.mlx) for r in rows if r.suite == "full"}
+    own = {v: min((row.mlx for row in rows if Version(row.mlx_lm) == v), key=Version) for v in releases}
+    for release in (releases[0], releases[-1]):
+        assert (release, own[release]) in full, f"{release} lost its full row"
+    newest_mlx = max((r.mlx for r in rows), key=Version)
+    assert (releases[-1], newest_mlx) in full, "the newest mlx on the newest mlx-lm runs the full suite"

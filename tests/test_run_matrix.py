@@ -126,3 +126,37 @@ def test_upstream_tests_run_in_their_own_rootdir(tmp_path):
                         "tests.test_things::test_known_to_fail_but_passes": "passed"}, outcomes
     failing = [t for t, o in outcomes.items() if o != "passed"]
     assert tool._node_ids(failing, ["tests/test_things.py"]) == ["tests/test_things.py::TestThings::test_fails"]
+
+
+@pytest.mark.parametrize("suite,python_only,twin,expected", [
+    ("full", False, False, "not python_only"),
+    ("full", True, False, ""),
+    ("full", False, True, "not python_only and not release_only"),
+    ("core", False, False, "core and not python_only"),
+    ("core", True, False, "(core or python_only)"),
+    ("core", False, True, "core and not python_only and not release_only"),
+])
+def test_a_row_selects_its_suite(run_matrix, suite, python_only, twin, expected):
+    row = dict(suite=suite, python_only=python_only, mlx_twin=twin)
+    assert run_matrix.marker_expression(row) == expected
+
+
+def test_core_rows_run_the_core_tests_and_full_rows_everything(run_matrix, tmp_path):
+    """The expressions select what they say on a real collection: a ``core`` row collects only
+    the files tests/conftest.py lists in CORE (and python_only ones on its Python's row)."""
+    import subprocess
+    import sys
+
+    from conftest import CORE, PYTHON_ONLY, REPO
+
+    def collected(expression):
+        ran = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                              "-m", expression, "tests"], capture_output=True, text=True, cwd=REPO)
+        return {line.split("::")[0].rsplit("/", 1)[-1] for line in ran.stdout.splitlines() if "::" in line}
+
+    core = collected(run_matrix.marker_expression(dict(suite="core", python_only=False, mlx_twin=False)))
+    assert core and core <= set(CORE), sorted(core - set(CORE))
+    with_python = collected(run_matrix.marker_expression(dict(suite="core", python_only=True, mlx_twin=False)))
+    assert with_python - core <= {name.split("::")[0] for name in PYTHON_ONLY}
+    full = collected(run_matrix.marker_expression(dict(suite="full", python_only=False, mlx_twin=False)))
+    assert core < full

@@ -23,6 +23,10 @@ What keeps a full run inside CI's budget (2 cores), without dropping a cell:
   longest row left, but not one whose mlx version another worker is still compiling cold while
   any other row is left.
 * no ``--compile-bytecode``: sessions write the bytecode of what they import (see ``_env``).
+* A row with ``suite: core`` (compat_matrix.yaml) runs the tests marked ``core`` (the matrix
+  cells and what changes with every release; tests/conftest.py ``CORE``), the others everything:
+  the full suite on every release took 85 minutes on 2 cores; a few full rows spread over the
+  releases keep the run inside the budget (the matrix file says which and why).
 * Tests marked ``python_only`` (activation, the engine on a fake package, variables, the matrix
   file, CLI status/table) do not depend on mlx-lm: they run on one row per Python version, the
   newest mlx-lm row of that Python, and are deselected elsewhere (``-m "not python_only"``).
@@ -234,8 +238,7 @@ def session(row, prefetch: Prefetch, rows, index, pytest_args) -> dict:
         if rc == 0:
             test_env = dict(env, MLX_LM_PATCHES_STRICT="1", MLX_LM_PATCHES_EXPECT_INSTALLED="1", TMPDIR=str(tmp),
                             VIRTUAL_ENV=str(venv), PATH=f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}")
-            skip = ([] if row["python_only"] else ["python_only"]) + (["release_only"] if row["mlx_twin"] else [])
-            selection = ["-m", " and ".join(f"not {marker}" for marker in skip)] if skip else []
+            selection = ["-m", marks] if (marks := marker_expression(row)) else []
             if row["packages"] and not row["python_only"] and not pytest_args:
                 selection += PACKAGE_ROW_TESTS + [f for name, _ in row["packages"] for f in PACKAGE_TESTS.get(name, [])]
             tested = True
@@ -261,6 +264,20 @@ def session(row, prefetch: Prefetch, rows, index, pytest_args) -> dict:
         failed = 1  # install failure or a crash before pytest's summary
     return dict(name=name, rc=rc, passed=passed, failed=failed, seconds=time.monotonic() - started,
                 install=install_seconds, waited=started - waited, log=log)
+
+
+def marker_expression(row) -> str:
+    """The row's ``-m`` selection: a ``core`` row (``suite: core`` in the matrix) runs the tests
+    marked ``core`` (and, on its Python's ``python_only`` row, those); ``python_only`` tests run
+    on their rows only, ``release_only`` tests not on an mlx twin."""
+    terms = []
+    if row["suite"] == "core":
+        terms.append("(core or python_only)" if row["python_only"] else "core")
+    if not row["python_only"]:
+        terms.append("not python_only")
+    if row["mlx_twin"]:
+        terms.append("not release_only")
+    return " and ".join(terms)
 
 
 def release(version: str) -> tuple:
@@ -356,6 +373,7 @@ def main() -> int:
     for row in data["tested_versions"]:
         packages = sorted((str(k), str(v)) for k, v in (row.get("packages") or {}).items())
         row = {k: str(v) for k, v in row.items() if k != "packages"}
+        row.setdefault("suite", "full")
         row["packages"] = packages  # further distributions this row installs: [(name, version)]
         row["name"] = (f"mlx-lm-{row['mlx_lm']}_mlx-{row['mlx']}_py{row['python']}"
                        + "".join(f"_{name}-{version}" for name, version in packages))

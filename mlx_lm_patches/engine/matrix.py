@@ -86,12 +86,18 @@ class PatchSpec:
         return None
 
 
+# A row of tested_versions runs the whole suite ("full") or the tests marked ``core`` (the matrix
+# cells and what changes with every release; pyproject.toml's markers): tools/run_matrix.py.
+SUITES = ("full", "core")
+
+
 @dataclass(frozen=True)
 class TestedVersion:
     mlx_lm: str
     mlx: str
     python: str
     packages: Tuple[Tuple[str, str], ...] = ()  # further distributions installed: (name, version)
+    suite: str = "full"  # which tests the row runs: "full", or "core" (tests marked core; SUITES)
 
     @property
     def name(self) -> str:
@@ -227,8 +233,11 @@ def _specifier(text, where) -> SpecifierSet:
 
 
 def _tested(row, where) -> TestedVersion:
-    if not isinstance(row, dict) or not {"mlx_lm", "mlx", "python"} <= set(row) <= {"mlx_lm", "mlx", "python", "packages"}:
-        raise MatrixError(f"{where}: expected keys mlx_lm, mlx, python (and optionally packages); got {row!r}")
+    if not isinstance(row, dict) or not {"mlx_lm", "mlx", "python"} <= set(row) <= {"mlx_lm", "mlx", "python", "packages", "suite"}:
+        raise MatrixError(f"{where}: expected keys mlx_lm, mlx, python (and optionally packages, suite); got {row!r}")
+    suite = str(row.get("suite", "full"))
+    if suite not in SUITES:
+        raise MatrixError(f"{where}: suite={suite!r} is not one of {', '.join(SUITES)}")
     for key in ("mlx_lm", "mlx"):
         try:
             Version(str(row[key]))
@@ -245,7 +254,7 @@ def _tested(row, where) -> TestedVersion:
         except InvalidVersion:
             raise MatrixError(f"{where}: packages: {name}={version!r} is not a version") from None
     return TestedVersion(str(row["mlx_lm"]), str(row["mlx"]), str(row["python"]),
-                         tuple(sorted((str(n), str(v)) for n, v in packages.items())))
+                         tuple(sorted((str(n), str(v)) for n, v in packages.items())), suite)
 
 
 _PATCH_KEYS = {"id", "summary", "affected", "fixed_in", "upstream", "targets", "probe"}

@@ -72,7 +72,7 @@ def probe():
     from mlx_lm_patches.engine.contract import NotNeeded
 
     if importlib.util.find_spec("mlx_vlm.apc") is None:
-        return NotNeeded("mlx_vlm.apc missing in this mlx-vlm (no prefix cache): not needed")
+        return NotNeeded("this mlx-vlm has no prefix cache (no apc module): not needed")
     try:
         problem = apc_mixed_prefill_problem("qwen3_5")
     except (ValueError, TypeError) as exc:

@@ -8,7 +8,8 @@ mlx, as an earlier row of the matrix proves nothing new. So on each row of
 
 * a family runs in full where its source (its module under ``mlx_lm/models`` and the model
   modules it imports, e.g. ``ssm.py``, ``gated_delta.py``; not ``cache.py``) differs from every
-  earlier row with the same mlx version (rows ordered by mlx-lm, then mlx, then extra packages);
+  earlier row with the same mlx version (rows ordered by mlx-lm, then mlx, then extra packages)
+  that ran the test (a test not marked ``core`` runs on the ``suite: full`` rows only);
 * elsewhere one family per cache layout (the set of cache classes its prompt cache holds) still
   runs, as does the dense control: the shared machinery - caches, generation, batching, our
   patches - changes on every row, and they exercise it;
@@ -79,9 +80,10 @@ def _release(version: str) -> tuple:
 
 
 @functools.lru_cache(maxsize=None)
-def _context():
-    """(digests of the installed mlx-lm's families reader, earlier rows with this mlx) or None
-    when the installed versions are not a row of the matrix."""
+def _context(core: bool = False):
+    """(digests of the installed mlx-lm's families reader, earlier rows with this mlx that ran
+    the test: every row for a ``core`` test, else the ``suite: full`` rows) or None when the
+    installed versions are not a row of the matrix."""
     from mlx_lm_patches.engine import matrix, versions
 
     mlx_lm, mlx = versions.mlx_lm(), versions.installed("mlx")
@@ -100,7 +102,8 @@ def _context():
             break
     if here is None or here.mlx_lm not in record:
         return None
-    earlier = [r for r in rows[: rows.index(here)] if r.mlx == here.mlx and r.mlx_lm in record]
+    earlier = [r for r in rows[: rows.index(here)]
+               if r.mlx == here.mlx and r.mlx_lm in record and (core or r.suite == "full")]
     return record, earlier
 
 
@@ -121,9 +124,10 @@ def representatives(families: tuple) -> Dict[str, str]:
     return chosen
 
 
-def skip_reason(family: str, families: tuple, full: bool = False) -> Optional[str]:
-    """Why ``family``'s cells are skipped on this row, or ``None`` when they run."""
-    context = None if full else _context()
+def skip_reason(family: str, families: tuple, full: bool = False, core: bool = False) -> Optional[str]:
+    """Why ``family``'s cells are skipped on this row, or ``None`` when they run (``core``: the
+    test runs on every row, not only on ``suite: full`` ones)."""
+    context = None if full else _context(core)
     if context is None or family in representatives(families):
         return None
     record, earlier = context
