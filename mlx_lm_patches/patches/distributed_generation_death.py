@@ -59,6 +59,7 @@ import os
 import sys
 import threading
 import time
+from functools import partial
 
 from mlx_lm_patches.engine import bytecode
 from mlx_lm_patches.engine.contract import NotNeeded, Outcome
@@ -93,14 +94,14 @@ def _end_process():
     os._exit(EXIT_CODE)
 
 
-def _generate_or_end_the_rank(wrapped, instance, args, kwargs):
+def _generate_or_end_the_rank(memo, wrapped, instance, args, kwargs):
     group = _group()
     if group is None:
         return wrapped(*args, **kwargs)
     try:
         return wrapped(*args, **kwargs)
     except Exception as exc:
-        _end_the_rank(group, "the generation loop", exc)
+        _end_the_rank(memo, group, "the generation loop", exc)
         raise
 
 
@@ -108,21 +109,21 @@ class _EndingQueue:
     """A request's reply queue in a request served alone: an error put on it that the ranks did
     not agree on ends the rank (after the error is handed on)."""
 
-    def __init__(self, queue, group):
-        self._queue, self._group = queue, group
+    def __init__(self, queue, group, memo):
+        self._queue, self._group, self._memo = queue, group, memo
 
     def put(self, item, *args, **kwargs):
         from mlx_lm_patches.patches.distributed_request_agreement import AGREED
 
         if isinstance(item, BaseException) and not getattr(item, AGREED, False):
-            _end_the_rank(self._group, "a request served alone", item)
+            _end_the_rank(self._memo, self._group, "a request served alone", item)
         return self._queue.put(item, *args, **kwargs)
 
     def __getattr__(self, name):
         return getattr(self._queue, name)
 
 
-def _serve_single_or_end_the_rank(wrapped, instance, args, kwargs):
+def _serve_single_or_end_the_rank(memo, wrapped, instance, args, kwargs):
     """``_serve_single((rqueue, request, args), ...)`` catches a request's error and answers it on
     this rank only, which then goes on to the next request while the others may wait in the
     model's collective: with more than one rank, such an error ends the rank instead."""
@@ -130,17 +131,17 @@ def _serve_single_or_end_the_rank(wrapped, instance, args, kwargs):
     if group is None or not args or not isinstance(args[0], tuple) or len(args[0]) != 3:
         return wrapped(*args, **kwargs)
     rqueue, request, arguments = args[0]
-    return wrapped((_EndingQueue(rqueue, group), request, arguments), *args[1:], **kwargs)
+    return wrapped((_EndingQueue(rqueue, group, memo), request, arguments), *args[1:], **kwargs)
 
 
-_ending = []  # set once the rank is on its way out
+ENDING = "the rank is on its way out"  # in the patcher's memo (revert clears it, status lists it)
 
 
-def _end_the_rank(group, what, exc):
+def _end_the_rank(memo, group, what, exc):
     grace = GRACE_SECONDS if group.rank() == 0 else 0.0  # only rank 0 has clients to answer
-    if _ending:
+    if memo.get(ENDING) is not None:
         return
-    _ending.append(what)
+    memo[ENDING] = what
     log.error("mlx-lm-patches: %s of rank %d of %d stopped on %s: %s; the other ranks "
               "would wait for it forever, so this rank ends in %.0f s (exit code %d) and mlx.launch "
               "ends the others", what, group.rank(), group.size(), type(exc).__name__, exc, grace, EXIT_CODE)
@@ -165,8 +166,8 @@ def probe():
 
 
 def apply(p):
-    p.wrap(f"{SERVER}:ResponseGenerator._generate", _generate_or_end_the_rank)
-    p.wrap_if_present(f"{SERVER}:ResponseGenerator._serve_single", _serve_single_or_end_the_rank)
+    p.wrap(f"{SERVER}:ResponseGenerator._generate", partial(_generate_or_end_the_rank, p.memo))
+    p.wrap_if_present(f"{SERVER}:ResponseGenerator._serve_single", partial(_serve_single_or_end_the_rank, p.memo))
 
 
 def scenario():

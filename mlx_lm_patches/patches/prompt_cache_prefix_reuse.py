@@ -59,6 +59,7 @@ Metal
 import logging
 import sys
 from collections import deque
+from functools import partial
 
 from mlx_lm_patches.engine.contract import Outcome
 
@@ -71,32 +72,32 @@ SERVER = "mlx_lm.server"
 
 # -- keeping states while prefilling ----------------------------------------------------------
 
-def _prefill_cut(wrapped, instance, args, kwargs):
+def _prefill_cut(memo, wrapped, instance, args, kwargs):
     """``generate_step``: while a prompt-cache store exists, the prefill is cut at powers of
     two. Its multi-token passes are all prefill, so the passes run while its generator runs
     are cut, and the generator itself is returned (decoding pays nothing here)."""
     from mlx_lm_patches.mechanisms import prefix_reuse as pc
 
-    _note_quantization(wrapped, kwargs)
+    _note_quantization(memo, kwargs)
     steps = wrapped(*args, **kwargs)
-    if not pc.capturing() or pc.arm(steps):
+    if not pc.capturing(memo) or pc.arm(steps):
         return steps
     return _cut_until_first(steps)
 
 
-def _speculative_prefill_cut(wrapped, instance, args, kwargs):
+def _speculative_prefill_cut(memo, wrapped, instance, args, kwargs):
     """``speculative_generate_step``: while a prompt-cache store exists, the prefill (everything
     before the first token comes out) is cut at powers of two; its verification passes are not."""
     from mlx_lm_patches.mechanisms import prefix_reuse as pc
 
-    _note_quantization(wrapped, kwargs)
+    _note_quantization(memo, kwargs)
     steps = wrapped(*args, **kwargs)
-    if not pc.capturing():
+    if not pc.capturing(memo):
         return steps
     return _cut_until_first(steps)
 
 
-def _note_quantization(function, kwargs):
+def _note_quantization(memo, kwargs):
     """A generation asked to quantize its KV caches (``kv_bits``, keyword-only): restores of
     hybrid prompts whose prefill would quantize are declined from then on (see ``_fetch``)."""
     from mlx_lm_patches.mechanisms import prefix_reuse as pc
@@ -105,7 +106,7 @@ def _note_quantization(function, kwargs):
         start = kwargs.get("quantized_kv_start")
         if start is None:
             start = getattr(sys.modules[GENERATE], "DEFAULT_QUANTIZED_KV_START", 0)
-        pc.note_kv_quantization(kwargs["kv_bits"], start)
+        pc.note_kv_quantization(memo, kwargs["kv_bits"], start)
 
 
 def _cut_until_first(steps):
@@ -138,14 +139,14 @@ def _row_history(row, history):
     return tuple(history)
 
 
-def _prompt(wrapped, instance, args, kwargs):
+def _prompt(memo, wrapped, instance, args, kwargs):
     """>= 0.31.2: prefill hybrid rows alone (cut at powers of two), each from its known history."""
     from mlx_lm_patches.mechanisms import prefix_reuse as pc
     from mlx_lm_patches.mechanisms.caches import has_recurrent_state
     from mlx_lm_patches.patches.batch_prefill_per_row import prefill_rows_alone
 
     tokens = args[0] if args else kwargs.get("tokens")
-    if not (tokens and pc.capturing() and len(tokens) == len(instance.uids)
+    if not (tokens and pc.capturing(memo) and len(tokens) == len(instance.uids)
             and has_recurrent_state(instance.prompt_cache)):
         return wrapped(*args, **kwargs)
     batch_caches = instance.prompt_cache
@@ -163,14 +164,14 @@ def _prompt(wrapped, instance, args, kwargs):
         return wrapped(*args, **kwargs)
 
 
-def _process_prompts(wrapped, instance, args, kwargs):
+def _process_prompts(memo, wrapped, instance, args, kwargs):
     """<= 0.31.1: each prompt is processed on its own (a batch of one), cut at powers of two,
     from the known history of its cache."""
     from mlx_lm_patches.mechanisms import prefix_reuse as pc
     from mlx_lm_patches.mechanisms.caches import has_recurrent_state
 
     prompts = list(args[0] if args else kwargs["prompts"])
-    if not (pc.capturing() and prompts and has_recurrent_state(prompts[0][3])):
+    if not (pc.capturing(memo) and prompts and has_recurrent_state(prompts[0][3])):
         return wrapped(*args, **kwargs)
     batch = None
     try:
@@ -193,10 +194,10 @@ def _process_prompts(wrapped, instance, args, kwargs):
 # -- the prompt-cache store -------------------------------------------------------------------
 
 
-def _lru_init(wrapped, instance, args, kwargs):
+def _lru_init(memo, wrapped, instance, args, kwargs):
     from mlx_lm_patches.mechanisms import prefix_reuse as pc
 
-    pc.note_prompt_cache_created()
+    pc.note_prompt_cache_created(memo)
     return wrapped(*args, **kwargs)
 
 
@@ -223,7 +224,7 @@ def _stock_reuse(lru, model, tokens) -> int:
     return len(result.shorter) if result.shorter is not None else 0
 
 
-def _fetch(wrapped, instance, args, kwargs):
+def _fetch(memo, wrapped, instance, args, kwargs):
     from mlx_lm_patches.mechanisms import prefix_reuse as pc
     from mlx_lm_patches.mechanisms.caches import has_recurrent_state
     from mlx_lm_patches.mechanisms.calls import bind_arguments
@@ -231,7 +232,7 @@ def _fetch(wrapped, instance, args, kwargs):
     bound = bind_arguments(wrapped, args, kwargs)
     model, tokens = bound.arguments["model"], bound.arguments["tokens"]
     entries = [(key, cache) for key, cache in _entries(instance, model) if has_recurrent_state(cache)]
-    if entries and pc.quantized_prefill(len(tokens)):
+    if entries and pc.quantized_prefill(memo, len(tokens)):
         log.debug("mlx-lm-patches: prompt cache: no kept state reused (KV caches quantized: not exact)")
     elif entries:
         found = pc.best_restore(entries, tokens, better_than=_stock_reuse(instance, model, tokens))
@@ -293,8 +294,9 @@ def apply(p):
     if isinstance(current_nbytes, property):
         p.set(f"{CACHE}:ArraysCache.nbytes", property_over(current_nbytes, _plus_checkpoints))
     store = CACHE if hasattr(cache_module, "LRUPromptCache") else SERVER
-    p.wrap(f"{store}:LRUPromptCache.__init__", _lru_init)
-    p.wrap(f"{store}:LRUPromptCache.fetch_nearest_cache", _fetch)
+    memo = p.memo  # what the process has seen: not a module global (revert clears it, status lists it)
+    p.wrap(f"{store}:LRUPromptCache.__init__", partial(_lru_init, memo))
+    p.wrap(f"{store}:LRUPromptCache.fetch_nearest_cache", partial(_fetch, memo))
     p.wrap(f"{store}:LRUPromptCache.insert_cache", _insert)
     from mlx_lm_patches.mechanisms.prefix_reuse import recorded_forward
 
@@ -302,12 +304,12 @@ def apply(p):
     for target in p.declared:
         if target.endswith(":Model.__call__"):
             p.wrap(target, recorded_forward)
-    p.wrap(f"{GENERATE}:generate_step", _prefill_cut)
-    p.wrap(f"{GENERATE}:speculative_generate_step", _speculative_prefill_cut)
+    p.wrap(f"{GENERATE}:generate_step", partial(_prefill_cut, memo))
+    p.wrap(f"{GENERATE}:speculative_generate_step", partial(_speculative_prefill_cut, memo))
     if hasattr(p.module(GENERATE), "PromptProcessingBatch"):
-        p.wrap(f"{GENERATE}:PromptProcessingBatch.prompt", _prompt)
+        p.wrap(f"{GENERATE}:PromptProcessingBatch.prompt", partial(_prompt, memo))
     else:
-        p.wrap(f"{GENERATE}:BatchGenerator._process_prompts", _process_prompts)
+        p.wrap(f"{GENERATE}:BatchGenerator._process_prompts", partial(_process_prompts, memo))
 
 
 def scenario():

@@ -48,9 +48,9 @@ Retire
     speculative loop quantizes at the plain path's step (or refuses ``kv_bits``).
 """
 
+import contextvars
 import inspect
 import sys
-import threading
 
 from mlx_lm_patches.engine.contract import Outcome
 from mlx_lm_patches.mechanisms.calls import bind_arguments
@@ -58,7 +58,9 @@ from mlx_lm_patches.mechanisms.calls import bind_arguments
 CACHE = "mlx_lm.models.cache"
 GENERATE = "mlx_lm.generate"
 
-_state = threading.local()  # ids of the windows whose next multi-token mask is a single step's
+# per call, in a context variable (a thread-local would be shared by an asyncio server's tasks):
+_WINDOWS = contextvars.ContextVar("mlx_lm_patches_single_step_windows", default=None)  # ids of the
+# windows whose next multi-token mask is a single step's
 
 KV_BITS_REFUSAL = (
     "speculative decoding with kv_bits is refused: plain decoding quantizes the cache right "
@@ -92,7 +94,7 @@ def single_step_mask(cache, n):
 
 
 def _make_mask(wrapped, instance, args, kwargs):
-    active = getattr(_state, "windows", None)
+    active = _WINDOWS.get()
     if active and id(instance) in active:
         bound = bind_arguments(wrapped, args, kwargs).arguments
         n, window = bound.get("N"), bound.get("window_size")
@@ -146,11 +148,11 @@ class PlainPathModel:
         for start, end, single in self._pieces(first, first + inputs.shape[1]):
             part = inputs[:, start - first:end - first]
             if single:
-                _state.windows = {id(w) for w in self._windows}
+                token = _WINDOWS.set({id(w) for w in self._windows})
                 try:
                     outputs.append(self._model(part, cache=cache))
                 finally:
-                    _state.windows = None
+                    _WINDOWS.reset(token)
             else:
                 outputs.append(self._model(part, cache=cache))
         return outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=1)
