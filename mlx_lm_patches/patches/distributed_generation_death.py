@@ -63,6 +63,7 @@ from functools import partial
 
 from mlx_lm_patches.engine import bytecode
 from mlx_lm_patches.engine.contract import NotNeeded, Outcome
+from mlx_lm_patches.mechanisms import server_ranks
 
 SERVER = "mlx_lm.server"
 GRACE_SECONDS = 3.0  # for rank 0's handlers to answer the requests in flight with the error
@@ -71,15 +72,6 @@ LAST_WORDS_SECONDS = 1.0  # for mlx.launch to forward what the rank wrote last (
 EXIT_CODE = 70  # EX_SOFTWARE
 
 log = logging.getLogger("mlx_lm_patches")
-
-
-def _group():
-    import mlx.core as mx
-
-    if not mx.distributed.is_available():
-        return None
-    group = mx.distributed.init()
-    return group if group.size() > 1 else None
 
 
 def _end_process():
@@ -95,7 +87,7 @@ def _end_process():
 
 
 def _generate_or_end_the_rank(memo, wrapped, instance, args, kwargs):
-    group = _group()
+    group = server_ranks.group()
     if group is None:
         return wrapped(*args, **kwargs)
     try:
@@ -113,9 +105,7 @@ class _EndingQueue:
         self._queue, self._group, self._memo = queue, group, memo
 
     def put(self, item, *args, **kwargs):
-        from mlx_lm_patches.patches.distributed_request_agreement import AGREED
-
-        if isinstance(item, BaseException) and not getattr(item, AGREED, False):
+        if isinstance(item, BaseException) and not server_ranks.agreed(item):
             _end_the_rank(self._memo, self._group, "a request served alone", item)
         return self._queue.put(item, *args, **kwargs)
 
@@ -127,7 +117,7 @@ def _serve_single_or_end_the_rank(memo, wrapped, instance, args, kwargs):
     """``_serve_single((rqueue, request, args), ...)`` catches a request's error and answers it on
     this rank only, which then goes on to the next request while the others may wait in the
     model's collective: with more than one rank, such an error ends the rank instead."""
-    group = _group()
+    group = server_ranks.group()
     if group is None or not args or not isinstance(args[0], tuple) or len(args[0]) != 3:
         return wrapped(*args, **kwargs)
     rqueue, request, arguments = args[0]

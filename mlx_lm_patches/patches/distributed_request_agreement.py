@@ -43,18 +43,9 @@ import sys
 
 from mlx_lm_patches.engine import bytecode
 from mlx_lm_patches.engine.contract import NotNeeded, Outcome
+from mlx_lm_patches.mechanisms import server_ranks
 
 SERVER = "mlx_lm.server"
-AGREED = "_mlx_lm_patches_agreed"  # on an error every rank raised together for the same request
-
-
-def _group():
-    import mlx.core as mx
-
-    if not mx.distributed.is_available():
-        return None
-    group = mx.distributed.init()
-    return group if group.size() > 1 else None
 
 
 def agree(group, error):
@@ -67,18 +58,18 @@ def agree(group, error):
         flags[group.rank()] = 1
     failed = [rank for rank, flag in enumerate(mx.distributed.all_sum(flags, group=group).tolist()) if flag]
     if error is not None:
-        setattr(error, AGREED, True)
+        server_ranks.mark_agreed(error)
         raise error
     if failed:
         ranks = ", ".join(map(str, failed))
         refusal = RuntimeError(f"the request failed on rank(s) {ranks} of {group.size()} (see that rank's log); "
                                "every rank refuses it")
-        setattr(refusal, AGREED, True)
+        server_ranks.mark_agreed(refusal)
         raise refusal
 
 
 def _tokenize_on_every_rank(wrapped, instance, args, kwargs):
-    group = _group()
+    group = server_ranks.group()
     if group is None:
         return wrapped(*args, **kwargs)
     try:

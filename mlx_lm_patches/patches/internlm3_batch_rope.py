@@ -32,7 +32,7 @@ Metal
 import sys
 
 from mlx_lm_patches.engine.contract import NotNeeded, missing
-from mlx_lm_patches.patches.internlm2_batch_rope import per_row_dynamic_ntk, probe_class
+from mlx_lm_patches.mechanisms.internlm_rope import per_row_dynamic_ntk, per_row_failure
 
 MODULE = "mlx_lm.models.internlm3"
 PID = "internlm3-batch-rope"
@@ -68,7 +68,7 @@ def probe():
         names = sorted({f"{t.__module__}.{t.__qualname__}" for t in used})
         return NotNeeded(f"internlm3's attention builds {' / '.join(names)}, not its own "
                          "DynamicNTKScalingRoPE: not needed")
-    return probe_class(cls)
+    return per_row_failure(cls)
 
 
 def apply(p):

@@ -40,6 +40,7 @@ Metal
 import sys
 
 from mlx_lm_patches.engine.contract import Outcome
+from mlx_lm_patches.mechanisms.mamba_cache_class import mark_restored
 
 CACHE = "mlx_lm.models.cache"
 _DEFAULT_SIZE = 2
@@ -89,13 +90,8 @@ def _make_class(arrays_cache):
 
     MambaCache.__module__ = CACHE
     MambaCache.__qualname__ = "MambaCache"
-    MambaCache._mlx_lm_patches_restored = True
+    mark_restored(MambaCache)
     return MambaCache
-
-
-def restored(cls) -> bool:
-    """``cls`` is the ``MambaCache`` this patch put back (not one mlx-lm defines)."""
-    return bool(vars(cls).get("_mlx_lm_patches_restored"))
 
 
 def _init_wrapper(wrapped, instance, args, kwargs):

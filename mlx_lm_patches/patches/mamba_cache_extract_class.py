@@ -51,7 +51,7 @@ def _same_class(wrapped, instance, args, kwargs):
 def probe():
     import mlx.core as mx
 
-    from mlx_lm_patches.patches.mamba_cache_compat import restored
+    from mlx_lm_patches.mechanisms.mamba_cache_class import restored
 
     cm = sys.modules[CACHE]
     mamba_cache = getattr(cm, "MambaCache", None)

@@ -41,21 +41,7 @@ Metal
     Only the admission path differs; the prefill is mlx-vlm's own.
 """
 
-
-def cold_admissions(at_least: int):
-    """Wrapper of ``BatchGenerator._build_mixed_prompt_batch(sequences)``: in the "exact" (hybrid)
-    mode, ``at_least`` or more sequences admitted together are not looked up (``None``: mlx-vlm's
-    cold path)."""
-
-    def wrapper(wrapped, instance, args, kwargs):
-        from mlx_lm_patches.mechanisms.calls import bind_arguments
-
-        sequences = bind_arguments(wrapped, args, kwargs).arguments.get("sequences")
-        if getattr(instance, "apc_mode", None) == "exact" and sequences is not None and len(sequences) >= at_least:
-            return None
-        return wrapped(*args, **kwargs)
-
-    return wrapper
+from mlx_lm_patches.mechanisms.vlm_apc_admission import cold_admissions
 
 
 def apply(p):
@@ -66,18 +52,9 @@ def apply(p):
 def probe():
     """Evidence: a tiny Qwen3.5 whose requests sent together beside a cache hit are answered
     differently from each alone (or raise)."""
-    import importlib.util
+    from mlx_lm_patches.demos.tiny_vlm_models import apc_mixed_prefill_evidence
 
-    from mlx_lm_patches.demos.tiny_vlm_models import apc_mixed_prefill_problem
-    from mlx_lm_patches.engine.contract import NotNeeded
-
-    if importlib.util.find_spec("mlx_vlm.apc") is None:
-        return NotNeeded("mlx_vlm.apc missing in this mlx-vlm (no prefix cache): not needed")
-    try:
-        problem = apc_mixed_prefill_problem("qwen3_5")
-    except (ValueError, TypeError) as exc:
-        return f"mlx-vlm's mixed prefix-cache prefill raises {type(exc).__name__}: {exc}"
-    return None if problem == "no hit" else problem
+    return apc_mixed_prefill_evidence("qwen3_5")
 
 
 def scenario():

@@ -29,7 +29,7 @@ Metal
     Only the admission path differs; the prefill is mlx-vlm's own.
 """
 
-from mlx_lm_patches.patches.mlx_vlm_apc_hybrid_batches_cold import cold_admissions
+from mlx_lm_patches.mechanisms.vlm_apc_admission import cold_admissions
 
 
 def apply(p):
@@ -40,9 +40,9 @@ def probe():
     """Evidence: a tiny Qwen3.5 whose requests beside cache hits (sent together, or alone on a
     snapshot stored from a batch) are answered differently from each without the cache (or
     raise)."""
-    from mlx_lm_patches.patches.mlx_vlm_apc_hybrid_batches_cold import probe as either
+    from mlx_lm_patches.demos.tiny_vlm_models import apc_mixed_prefill_evidence
 
-    return either()
+    return apc_mixed_prefill_evidence("qwen3_5")
 
 
 def scenario():

@@ -143,7 +143,7 @@ def _prompt(memo, wrapped, instance, args, kwargs):
     """>= 0.31.2: prefill hybrid rows alone (cut at powers of two), each from its known history."""
     from mlx_lm_patches.mechanisms import prefix_reuse as pc
     from mlx_lm_patches.mechanisms.caches import has_recurrent_state
-    from mlx_lm_patches.patches.batch_prefill_per_row import prefill_rows_alone
+    from mlx_lm_patches.mechanisms.row_prefill import prefill_rows_alone
 
     tokens = args[0] if args else kwargs.get("tokens")
     if not (tokens and pc.capturing(memo) and len(tokens) == len(instance.uids)
