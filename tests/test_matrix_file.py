@@ -30,6 +30,9 @@ def test_every_patch_has_a_module_with_the_interface(the_matrix):
         doc = inspect.getdoc(module) or ""
         for section in contract.DOCSTRING_SECTIONS:
             assert f"\n{section}\n" in f"\n{doc}\n", f"{spec.module_name} docstring lacks {section}"
+        for section in contract.MATRIX_ONLY_SECTIONS:  # one place per fact: the matrix
+            assert f"\n{section}\n" not in f"\n{doc}\n", f"{spec.module_name}: {section} belongs in the matrix"
+        assert "https://" not in doc, f"{spec.module_name}: upstream links belong in the matrix"
         assert spec.upstream, spec.id
         assert all(u.startswith("https://") for u in spec.upstream), spec.id
 

@@ -2,41 +2,27 @@
 every rank, instead of hanging the server.
 
 Bug
-    With more than one rank (``mlx.launch ... mlx_lm.server``), rank 0 shares each request and
-    every rank runs it, in lockstep: their collectives (the sharded model's ``all_sum``, the next
-    request's share) must pair up. ``ResponseGenerator._tokenize`` (chat template, tokenizer)
-    runs on every rank, and a rank where it raises answers the request with the error and goes
-    on to the next request's share, while the ranks where it worked enter the model forward and
-    wait in its collective for that rank. Nothing ever pairs them again: the request never
-    ends, nor does any later one. One rank is enough: a chat template or tokenizer file that
-    differs between hosts, a host-local fault, a bug that depends on the rank.
+    Under ``mlx.launch`` every rank runs each shared request in lockstep. A rank whose
+    ``ResponseGenerator._tokenize`` raises (a chat template or tokenizer that differs between
+    hosts, a host-local fault) answers the error and moves on, while the others wait in the
+    model's collective for it: that request and every later one hang.
 
 Fix
-    Wrap ``_tokenize``. In a group of more than one rank, every rank reports whether its call
-    raised in one small ``all_sum`` (a flag per rank) - every rank calls ``_tokenize`` for the
-    same shared request at the same point of its loop, so these collectives always pair. If
-    any rank failed, every rank raises: its own error, or ``RuntimeError("... failed on rank(s)
-    N ...")``; each rank's loop then answers (rank 0: the client gets the error) and moves on to
-    the next request together. With one process nothing changes (no collective is added).
-
-Affected
-    Releases whose server shares requests across ranks (``ResponseGenerator._share_request``):
-    0.31.2 - 0.32.2. The probe decides elsewhere.
-
-Upstream
-    https://github.com/ml-explore/mlx-lm/blob/v0.32.2/mlx_lm/server.py (``_share_object``,
-    ``_tokenize``, the batch loop in ``_generate`` and ``_serve_single``).
+    Wrap ``_tokenize``. With more than one rank, every rank reports whether its call raised in
+    one small ``all_sum`` (every rank tokenizes the same request at the same point, so these
+    collectives pair); if any rank failed, every rank raises (its own error, or "failed on
+    rank(s) N") and marks it agreed (``mechanisms/server_ranks.py``), and the ranks move on to
+    the next request together. One process: nothing changes.
 
 Retire
     When mlx-lm agrees on per-request failures across ranks itself.
 
 Metal
-    Server control flow and one ``all_sum`` of a few integers per request; no kernel involved.
+    Server control flow and one ``all_sum`` of a few integers per request.
 
 Not covered
-    A failure inside the model forward on one rank only (after the ranks agreed that the
-    request is valid) still desynchronises them: they cannot agree without a collective they
-    are all in (docs/distributed.md).
+    A failure inside the model forward on one rank only still desynchronises the ranks
+    (``distributed-generation-death`` ends the group; docs/distributed.md).
 """
 
 import sys

@@ -17,15 +17,6 @@ Fix
     on how a prompt is cut into forward passes, so rows of different lengths are prefilled alone
     (``batch-prefill-per-row`` recognises this rotary class); decoding stays batched.
 
-Affected
-    mlx-lm 0.28.4 - 0.31.3. 0.32.0 builds internlm2's rotary embedding with ``initialize_rope``
-    (dynamic scaling then goes through ``rope_utils.DynamicNTKScalingRoPE``:
-    ``dynamic-ntk-rope-batch``).
-
-Upstream
-    https://github.com/ml-explore/mlx-lm/blob/v0.31.3/mlx_lm/models/internlm2.py
-    (``DynamicNTKScalingRoPE``); replaced in https://github.com/ml-explore/mlx-lm/pull/1606.
-
 Retire
     When 0.31.3 drops out of the supported range.
 

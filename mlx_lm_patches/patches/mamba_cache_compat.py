@@ -21,13 +21,6 @@ Fix
     ``MambaCache`` load again on >= 0.30.6, because the class is back in the module that
     ``load_prompt_cache`` resolves class names in.
 
-Affected
-    Every supported release (0.28.4 - 0.32.2); the probe decides on newer ones.
-
-Upstream
-    https://github.com/ml-explore/mlx-lm/blob/v0.30.5/mlx_lm/models/cache.py (last release
-    with the class); downstream breakage: https://github.com/waybarrios/vllm-mlx/pull/160.
-
 Retire
     When every supported release either has a ``MambaCache`` accepting all the conventions
     above, or downstream code no longer imports it: narrow ``affected`` in compat_matrix.yaml

@@ -20,19 +20,6 @@ Fix
     hits). A request admitted alone keeps its cache hit. Exact; the price is no reuse for
     requests that arrive together.
 
-Affected
-    mlx-vlm >= 0.6.4 (probe: the scenario on a tiny Qwen3.5). Measured on 0.6.4, 0.6.5, 0.6.17 and
-    0.7.10: a 40-token prompt served, then a request sharing 30 of its tokens and one extending
-    it sent together: the extending one off by 0.07 in log-probability (0.6.x) or in its tokens
-    (0.7.10); exact with the fix, and a later request alone still hits. (0.5.0 - 0.6.3, whose
-    reuse is wrong even one request at a time: ``mlx-vlm-apc-hybrid-hits-refused``.)
-
-Upstream
-    https://github.com/Blaizzy/mlx-vlm/blob/v0.7.10/mlx_vlm/generate/ar.py
-    (``BatchGenerator._build_mixed_prompt_batch``, ``PromptProcessingBatch``);
-    https://github.com/Blaizzy/mlx-vlm/blob/v0.7.10/mlx_vlm/models/qwen3_5/language.py
-    (``Qwen3_5Model.__call__``: the row-by-row prefill merging the row caches).
-
 Retire
     When mlx-vlm's mixed prefill keeps the padding record of hybrid caches (and, on 0.6.x,
     the logits of rows that end in an earlier chunk).

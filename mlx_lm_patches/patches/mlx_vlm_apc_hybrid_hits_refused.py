@@ -13,15 +13,6 @@ Fix
     it is given: every request takes mlx-vlm's cold path (exact; no reuse for hybrid models).
     Shares its wrapper with ``mlx-vlm-apc-hybrid-batches-cold``.
 
-Affected
-    mlx-vlm 0.5.0 - 0.6.3 (probe: the scenario on a tiny Qwen3.5). From 0.6.4 a request alone
-    is exact on a hit and only requests admitted together go wrong: the other patch.
-
-Upstream
-    https://github.com/Blaizzy/mlx-vlm/blob/v0.5.0/mlx_vlm/generate.py and
-    https://github.com/Blaizzy/mlx-vlm/blob/v0.6.3/mlx_vlm/generate/ar.py
-    (``BatchGenerator._build_mixed_prompt_batch``).
-
 Retire
     When mlx-vlm < 0.6.4 is no longer supported.
 

@@ -22,13 +22,6 @@ Fix
     an empty cache. A file without recorded tokens (saved without the package) is refused at
     the first ``next()``, before any token, with a ``ValueError`` saying to re-create it.
 
-Affected
-    Every supported release (0.28.4 - 0.32.2); the probe decides on newer ones.
-
-Upstream
-    https://github.com/ml-explore/mlx-lm/blob/v0.32.2/mlx_lm/cache_prompt.py;
-    https://github.com/ml-explore/mlx-lm/blob/v0.32.2/mlx_lm/generate.py (``main``).
-
 Retire
     When ``mlx_lm.generate`` builds the draft's cache for a prompt-cache file itself.
 """

@@ -1,59 +1,31 @@
 """Hybrid prompt caches are reused up to an exact state at or before where a request diverges.
 
 Bug
-    ``LRUPromptCache`` (``mlx_lm.server``; in ``server.py`` up to 0.31.1, ``models/cache.py``
-    from 0.31.2) reuses a stored prompt that is longer than the new request by trimming a copy of
-    it back to the common prefix - only for trimmable caches. ``ArraysCache`` (the recurrent
-    state of GatedDeltaNet, Mamba, short-conv ... layers) holds only the state after *all* its
-    tokens and cannot be trimmed, so for hybrid models a request that diverges inside a stored
-    prompt (another question about the same document, an edited last message, a regenerated
-    turn) is a complete miss: the whole prompt is prefilled again. Only exact or shorter stored
-    prompts hit. Making ``ArraysCache`` "trimmable" by resetting its state (mlx-lm PR #1254) is
-    wrong twice: the reset changes every later token, and a trimmable cache makes
-    ``insert_cache`` delete the shorter stored prompts hybrids rely on today.
+    ``LRUPromptCache`` (``mlx_lm.server``) reuses a longer stored prompt by trimming a copy back
+    to the common prefix, for trimmable caches only. ``ArraysCache`` holds only the state after
+    all its tokens, so for hybrid models a request that diverges inside a stored prompt (another
+    question about the same document, an edited last message) is a complete miss. Making it
+    "trimmable" by a reset (mlx-lm PR #1254) changes every later token and makes
+    ``insert_cache`` evict the shorter entries hybrids rely on.
 
 Fix
-    Keep exact recurrent states at positions of the prefill and reuse only those
-    (``mlx_lm_patches/mechanisms/prefix_reuse/``). States are kept where they are produced:
-    ``Model.__call__`` of every mlx-lm family with recurrent layers keeps, after each forward of
-    one sequence into a cache list whose history is known, the recurrent states at its end, by
-    reference, bounded per sequence (default 8, thinned so that a kept state lies within a
-    factor of two of any position) - whoever calls the model (``generate_step``,
-    ``speculative_generate_step`` for main and draft model, ``BatchGenerator``, an engine's own
-    prefill loop). Decode steps only append their token array, unread: one call into the
-    package per decoded token, constant in length. While an
-    ``LRUPromptCache`` exists in the process (or ``MLX_LM_PATCHES_PREFIX_CHECKPOINTS`` is set),
-    the prefill of ``generate_step`` and ``speculative_generate_step`` is also cut at powers of
-    two, and ``BatchGenerator`` prefills hybrid rows one at a time. The kept states travel with
-    the caches through mlx-lm's own merge/extend/filter/extract/deepcopy and are stored with the
-    entry by ``insert_cache`` (only those computed from a prefix of the entry's tokens; their
-    bytes count in ``ArraysCache.nbytes`` and so in the LRU's byte limit).
-    ``fetch_nearest_cache`` first asks mlx-lm's own search what it would reuse; if a stored
-    entry holds a kept state further along the new request (checked token by token, at most
-    ``len(tokens) - 1``), it returns a copy of that entry with its recurrent caches set to that
-    state and its attention caches cut to the same position, and the rest of the request to
-    prefill. ``ArraysCache`` stays untrimmable, so mlx-lm never trims a hybrid cache and never
-    evicts shorter entries as redundant. Nothing is approximated: a state that cannot be
-    restored exactly is not used - nor one whose request would then attend to quantized KV
-    caches where a cold prefill attends to exact ones (``kv_bits``, ``mlx_lm.server
-    --kv-bits``): entries holding a ``QuantizedKVCache``, and requests long enough to be
-    quantized during their prefill once the process quantizes, are prefilled cold.
-
-Affected
-    Every supported release (0.28.4 - 0.32.2); the probe decides on newer ones.
-
-Upstream
-    https://github.com/ml-explore/mlx-lm/blob/v0.32.2/mlx_lm/models/cache.py (``LRUPromptCache``);
-    https://github.com/ml-explore/mlx-lm/blob/v0.31.1/mlx_lm/server.py (``LRUPromptCache``);
-    https://github.com/ml-explore/mlx-lm/pull/1254 (reset on trim: inexact).
+    ``Model.__call__`` of every family with recurrent layers keeps the recurrent states at the
+    end of each pass of one sequence whose history is known, by reference and bounded per
+    sequence (``MLX_LM_PATCHES_PREFIX_CHECKPOINTS``, default 8); decode steps only append their
+    token (one call into the package per token). While a prompt-cache store exists, prefills are
+    also cut at powers of two and ``BatchGenerator`` prefills hybrid rows alone. Kept states
+    travel with the caches and are stored by ``insert_cache`` (counted in ``nbytes``);
+    ``fetch_nearest_cache`` restores one further along the request than mlx-lm's own search
+    reaches (checked token by token; attention caches cut to the same position). Nothing is
+    approximated: entries or requests whose KV caches are quantized are prefilled cold.
+    Details: docs/prefix-reuse.md.
 
 Retire
     When mlx-lm keeps or can recompute exact recurrent states at earlier positions itself.
 
 Metal
-    Prefill passes are cut at extra positions (powers of two); outputs are the model's own
-    forward. On CPU chunking is bit-exact; on GPU, prefill kernels over different chunk
-    boundaries may differ in the last bits, as for any prompt-cache reuse of dense models.
+    Prefill passes are cut at extra positions; on GPU, kernels over different chunk boundaries
+    may differ in the last bits, as for any prompt-cache reuse of dense models.
 """
 
 import logging
