@@ -1,4 +1,4 @@
-"""compat_matrix.yaml: valid, and in agreement with the patch modules and the README table."""
+"""compat_matrix.yaml: valid, and in agreement with the patch modules and docs/patches.md."""
 
 import ast
 import importlib
