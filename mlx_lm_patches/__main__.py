@@ -10,7 +10,7 @@
   not needed / not applicable / disabled patches and gaps. Exit 1 if there is a gap.
 * ``run -m MODULE [ARGS...]`` / ``run SCRIPT [ARGS...]`` – apply explicitly, then run a module
   or script in this process (for ``python -S``, frozen apps, or no ``.pth``).
-* ``table`` – the README table of patches, generated from compat_matrix.yaml.
+* ``table`` – the table of patches (docs/patches.md), generated from compat_matrix.yaml.
 """
 
 import argparse
@@ -198,7 +198,7 @@ def main(argv=None) -> int:
     p.add_argument("ids", nargs="*", help="patch ids (default: all)")
     p.add_argument("--json", action="store_true", help="the report as JSON")
     p.set_defaults(func=_check)
-    p = sub.add_parser("table", help="print the README table of patches")
+    p = sub.add_parser("table", help="print the table of patches (docs/patches.md)")
     p.set_defaults(func=_table)
     p = sub.add_parser("run", help="apply, then run a module (-m) or a script in this process")
     p.add_argument("-m", dest="module", action="store_true", help="run TARGET as a module")

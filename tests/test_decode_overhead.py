@@ -87,7 +87,7 @@ def test_one_call_per_token_while_prefills_are_cut(monkeypatch):
     monkeypatch.setenv("MLX_LM_PATCHES_PREFIX_CHECKPOINTS", "8")
     from mlx_lm_patches.mechanisms import prefix_reuse as pc
 
-    assert pc.capturing()
+    assert pc.capturing({})  # no prompt-cache store noted: the variable alone turns cuts on
     calls, forwards, cache, tokens = _decode(_hybrid(), 100, prompt=prompt_tokens(70, seed=3))
     assert _per_token(calls, forwards) == 1, dict(calls)
     assert _history_is(cache, tokens)

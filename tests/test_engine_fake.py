@@ -31,6 +31,9 @@ LIB = {
 
         def greet(name):
             return "hello " + name
+
+        def tally():
+            return "tally"
     """,
     "user.py": """
         from {lib}.core import greet, Cache  # private copies, like mlx-lm's modules take
@@ -193,6 +196,21 @@ PATCHES = {
         def scenario():
             return Outcome(False, "stock is wrong")
     """,
+    "side_state.py": """
+        from functools import partial
+
+        COUNTED = "calls of tally counted"
+
+        def probe():
+            return True
+
+        def _count(memo, wrapped, instance, args, kwargs):
+            memo[COUNTED] = memo.get(COUNTED, 0) + 1
+            return f"{{wrapped()}} {{memo[COUNTED]}}"
+
+        def apply(p):
+            p.wrap("{lib}.core:tally", partial(_count, p.memo))
+    """,
     "deferred.py": """
         def probe():
             return True
@@ -228,6 +246,7 @@ patches:
   - {{id: not-needed-reason, summary: s, affected: ">=1.0", fixed_in: null, upstream: [], targets: ["{lib}.core:Cache"], probe: p}}
   - {{id: leans-on-other, summary: s, affected: ">=1.0", fixed_in: null, upstream: [], targets: ["{lib}.core:LEANS"], probe: p}}
   - {{id: stock-fails, summary: s, affected: ">=1.0", fixed_in: null, upstream: [], targets: ["{lib}.core:Cache"], probe: p}}
+  - {{id: side-state, summary: s, affected: ">=1.0", fixed_in: null, upstream: [], targets: ["{lib}.core:tally"], probe: p}}
   - {{id: deferred, summary: s, affected: ">=1.0", fixed_in: null, upstream: [], targets: ["{lib}.core:Cache", "{lib}.extra:thing", "{lib}.extra:Box.get?", "{lib}.extra:Gone.get?", "{lib}.extra:forwarded?", "{lib}.extra:Base.get?", "{lib}.extra:Inheriting.get?", "{lib}.extra:Overriding.get?"], probe: p}}
 """
 
@@ -300,6 +319,21 @@ def test_revert_restores_identity_and_soft_disables_copies(fake):
     fake.engine.request(OK_IDS)  # re-apply
     assert core.greet("b") == "HELLO B" and user.greet("b") == "HELLO B"
     assert vars(core.Cache)["trim"].__wrapped__ is original_trim
+
+
+def test_side_state_lives_in_the_memo_listed_by_status_and_forgotten_by_revert(fake):
+    """What a patch keeps between calls (``p.memo``, not a module global): status lists it while
+    applied, revert forgets it, and the patch applied again starts as in a fresh process."""
+    fake.engine.request(["side-state"])
+    core = fake.module("core")
+    assert [core.tally(), core.tally()] == ["tally 1", "tally 2"]
+    assert fake.engine.changes() == {"side-state": ["holds calls of tally counted"]}
+    assert "also changed: holds calls of tally counted" in fake.engine.row("side-state").detail
+    fake.engine.revert(["side-state"])
+    assert core.tally() == "tally"
+    assert fake.engine.changes() == {}
+    fake.engine.request(["side-state"])
+    assert core.tally() == "tally 1", "state kept before the revert outlived it"
 
 
 def test_revert_leaves_objects_others_installed_on_top(fake):

@@ -1,7 +1,8 @@
-"""compat_matrix.yaml: valid, and in agreement with the patch modules and the README table."""
+"""compat_matrix.yaml: valid, and in agreement with the patch modules and docs/patches.md."""
 
 import ast
 import importlib
+import importlib.util
 import inspect
 from pathlib import Path
 
@@ -30,6 +31,9 @@ def test_every_patch_has_a_module_with_the_interface(the_matrix):
         doc = inspect.getdoc(module) or ""
         for section in contract.DOCSTRING_SECTIONS:
             assert f"\n{section}\n" in f"\n{doc}\n", f"{spec.module_name} docstring lacks {section}"
+        for section in contract.MATRIX_ONLY_SECTIONS:  # one place per fact: the matrix
+            assert f"\n{section}\n" not in f"\n{doc}\n", f"{spec.module_name}: {section} belongs in the matrix"
+        assert "https://" not in doc, f"{spec.module_name}: upstream links belong in the matrix"
         assert spec.upstream, spec.id
         assert all(u.startswith("https://") for u in spec.upstream), spec.id
 
@@ -67,15 +71,18 @@ def test_tested_versions_cover_the_supported_range(the_matrix):
     assert {t.python for t in the_matrix.tested_versions} >= {"3.10", "3.11", "3.12", "3.13"}
 
 
-def test_readme_table_is_generated_from_the_matrix(the_matrix):
-    readme = REPO / "README.md"
-    if not readme.is_file():
-        pytest.skip("README.md is not beside the tests (installed-only run)")
-    text = readme.read_text()
-    start, end = "<!-- patch-table:start -->", "<!-- patch-table:end -->"
-    assert start in text and end in text
-    table = text.split(start, 1)[1].split(end, 1)[0].strip()
-    assert table == render_table(the_matrix), "README table is stale: python -m mlx_lm_patches table"
+@pytest.mark.python_only
+def test_the_patch_table_is_generated_from_the_matrix(the_matrix):
+    """docs/patches.md is what tools/patch_table.py writes from the matrix, and its table is what
+    ``python -m mlx_lm_patches table`` prints."""
+    tool, written = REPO / "tools" / "patch_table.py", REPO / "docs" / "patches.md"
+    if not (tool.is_file() and written.is_file()):
+        pytest.skip("tools/ and docs/ are not beside the tests (installed-only run)")
+    spec = importlib.util.spec_from_file_location("patch_table", tool)
+    patch_table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(patch_table)
+    assert written.read_text() == patch_table.render(the_matrix), "docs/patches.md is stale: python tools/patch_table.py"
+    assert render_table(the_matrix) in written.read_text()
 
 
 @pytest.mark.parametrize("mutate,message", [

@@ -130,7 +130,7 @@ def _derivable(model):
     from mlx.utils import tree_flatten
 
     head, hidden = model.mtp, model.args.hidden_size
-    # the documented names and order (module docstring), read directly, not through mtp_families
+    # the documented names and order (module docstring), read directly, not through mechanisms/mtp/families.py
     if model.model_type == "mimo":  # input_proj(concat[hidden_layernorm(h), token_layernorm(e)])
         projection, norms, hidden_first = head.input_proj, (head.token_layernorm, head.hidden_layernorm,
                                                             head.final_layernorm), True

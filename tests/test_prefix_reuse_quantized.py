@@ -101,13 +101,23 @@ def _in_process(store_tokens=64, tail=16):
     return len(b) - len(rest), warm, run(b, make_prompt_cache(model))
 
 
+def _memo():
+    """What prompt-cache-prefix-reuse has noted in this process (its patcher's memo)."""
+    from mlx_lm_patches.engine import core
+
+    patcher = core.get().records["prompt-cache-prefix-reuse"].patcher
+    return patcher.memo if patcher is not None else {}
+
+
 @pytest.fixture(autouse=True)
-def _kv_quantization_forgotten(monkeypatch):
+def _kv_quantization_forgotten():
     """Generating with ``kv_bits`` marks the process as quantizing its KV caches (as a server
     with ``--kv-bits`` is); forget it after each test, so later tests reuse as usual."""
-    from mlx_lm_patches.mechanisms.prefix_reuse import settings
+    from mlx_lm_patches.mechanisms.prefix_reuse.settings import QUANTIZED_FROM
 
-    monkeypatch.setattr(settings, "_quantized_from", None)
+    _memo().pop(QUANTIZED_FROM, None)
+    yield
+    _memo().pop(QUANTIZED_FROM, None)
 
 
 def _differ(warm, cold):
@@ -115,12 +125,12 @@ def _differ(warm, cold):
 
 
 def test_in_process_a_quantized_prompt_is_not_reused():
-    from mlx_lm_patches.mechanisms.prefix_reuse import settings
+    from mlx_lm_patches.mechanisms.prefix_reuse.settings import QUANTIZED_FROM
 
     reused, warm, cold = _in_process()
     assert reused == 0
     assert not _differ(warm, cold)
-    assert settings._quantized_from == 0
+    assert _memo()[QUANTIZED_FROM] == 0
 
 
 def test_in_process_a_restore_on_quantized_caches_would_not_be_exact(monkeypatch):
@@ -129,7 +139,7 @@ def test_in_process_a_restore_on_quantized_caches_would_not_be_exact(monkeypatch
     from mlx_lm_patches.mechanisms import prefix_reuse as pc
     from mlx_lm_patches.mechanisms.prefix_reuse import restore
 
-    monkeypatch.setattr(pc, "quantized_prefill", lambda length: False)
+    monkeypatch.setattr(pc, "quantized_prefill", lambda memo, length: False)
     monkeypatch.setattr(restore, "holds_quantized_kv", lambda caches: False)
     reused, warm, cold = _in_process()
     assert reused == 64

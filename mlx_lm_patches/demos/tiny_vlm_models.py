@@ -287,6 +287,22 @@ def apc_mixed_prefill_problem(model_type: str = "qwen3_5", max_tokens: int = MAX
     return None if hits else "no hit"
 
 
+def apc_mixed_prefill_evidence(model_type: str = "qwen3_5"):
+    """The probe of ``mlx-vlm-apc-hybrid-batches-cold`` and ``mlx-vlm-apc-hybrid-hits-refused``:
+    evidence that requests sent together beside a prefix-cache hit (or, where a lone hit is wrong
+    too, a request alone) are answered otherwise than without the cache (or raise); ``None`` if
+    they are not; a ``NotNeeded`` where mlx-vlm has no prefix cache."""
+    from mlx_lm_patches.engine.contract import NotNeeded
+
+    if importlib.util.find_spec("mlx_vlm.apc") is None:
+        return NotNeeded("mlx_vlm.apc missing in this mlx-vlm (no prefix cache): not needed")
+    try:
+        problem = apc_mixed_prefill_problem(model_type)
+    except (ValueError, TypeError) as exc:
+        return f"mlx-vlm's mixed prefix-cache prefill raises {type(exc).__name__}: {exc}"
+    return None if problem == "no hit" else problem
+
+
 def apc_scenario(model_type: str = "qwen3_5", require_hit: bool = True):
     """The scenario of the ``mlx-vlm-apc-hybrid-*`` patches: :func:`apc_mixed_prefill_problem`
     exact; ``require_hit``: a run without a cache hit shows nothing (not applicable), else it

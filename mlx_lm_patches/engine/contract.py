@@ -1,9 +1,11 @@
 """What a patch module provides, and what its scenario returns.
 
 A patch is a module ``mlx_lm_patches.patches.<id with underscores>`` named by its entry in
-``compat_matrix.yaml``. Its docstring says the bug, the fix, the affected versions, the upstream
-link and when it can be retired (paragraphs headed ``Bug``, ``Fix``, ``Affected``, ``Upstream``
-and ``Retire``, each on a line of its own), and it defines:
+``compat_matrix.yaml``. Its docstring says the bug, the fix and when it can be retired, a few
+lines each (paragraphs headed ``Bug``, ``Fix`` and ``Retire``, each heading on a line of its own;
+``Metal`` where the fix takes another path on Apple GPUs). Versions, upstream links and the
+fixed-in release live in the matrix only: the docstring has no ``Affected`` or ``Upstream``
+paragraph and no links. It defines:
 
 * ``probe()`` – cheap; runs once the anchor module is imported, inside the user's process.
   Returns a truthy value (a string: the evidence) when the bug is present, falsy when it is
@@ -64,7 +66,8 @@ def missing(*targets: str) -> Optional[NotNeeded]:
         if owner is None:
             return NotNeeded(f"{target} missing in this mlx-lm: not needed")
     return None
-DOCSTRING_SECTIONS = ("Bug", "Fix", "Affected", "Upstream", "Retire")
+DOCSTRING_SECTIONS = ("Bug", "Fix", "Retire")
+MATRIX_ONLY_SECTIONS = ("Affected", "Upstream")  # in compat_matrix.yaml, not in docstrings
 
 
 @dataclass

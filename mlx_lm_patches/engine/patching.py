@@ -24,8 +24,12 @@ shows them and revert undoes them:
 
 * ``p.track(obj, undo, what)`` – a change made to one object (e.g. a loaded model); ``undo(obj)``
   runs on revert if the object is still alive.
-* ``p.memo`` – a dict for state a patch keeps between calls (e.g. the last loaded model); it is
-  cleared on revert and its keys are listed in status.
+* ``p.memo`` – a dict for state a patch keeps between calls (e.g. the last loaded model, a
+  prompt-cache store seen): never a module global, which would outlive ``revert()``. It is
+  cleared on revert (a patch applied again gets a fresh one) and its keys are listed in status,
+  so name them as what they hold. Wrappers reach it through a closure or ``functools.partial``.
+  Per-call scope (set for the duration of one call) goes in a ``contextvars.ContextVar``, not
+  a ``threading.local``: one thread of an asyncio server runs many requests' tasks.
 """
 
 import inspect

@@ -13,13 +13,6 @@ Fix
     extracts each child. The class is kept because some models only store state in a
     ``MambaCache`` (``isinstance`` checks in mamba.py <= 0.30.5).
 
-Affected
-    mlx-lm 0.28.4 - 0.30.2 (0.30.4 added ``extract``).
-
-Upstream
-    https://github.com/ml-explore/mlx-lm/blob/v0.30.2/mlx_lm/models/cache.py;
-    added in https://github.com/ml-explore/mlx-lm/blob/v0.30.4/mlx_lm/models/cache.py.
-
 Retire
     When 0.30.2 drops out of the supported range.
 

@@ -18,14 +18,6 @@ Fix
     recurrent caches (those that are set) are handed to ``mx.async_eval`` with the step's own
     work, so each chain is cut every step. Values are unchanged; one call per batched step.
 
-Affected
-    0.31.3 - 0.32.2 (``GenerationBatch``); the probe decides on newer ones.
-
-Upstream
-    https://github.com/ml-explore/mlx-lm/blob/v0.32.2/mlx_lm/models/cache.py (``ArraysCache.advance``);
-    https://github.com/ml-explore/mlx-lm/pull/1632 (bounds it through the cache state);
-    https://github.com/ml-explore/mlx-lm/issues/1845 (still growing through ``BatchGenerator``).
-
 Retire
     When mlx-lm's batched decode keeps the metadata graphs bounded in every supported release.
 

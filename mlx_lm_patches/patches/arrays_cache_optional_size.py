@@ -19,13 +19,6 @@ Fix
     ``size=`` - never a guess. (``ArraysCache.__iter__`` is added for that; for sized caches it
     iterates the slots exactly as Python's sequence protocol did.)
 
-Affected
-    Every supported release (0.28.4 - 0.32.2); the probe decides on newer ones.
-
-Upstream
-    https://github.com/ml-explore/mlx-lm/blob/v0.32.2/mlx_lm/models/cache.py (``ArraysCache``);
-    https://github.com/waybarrios/vllm-mlx/pull/160 (the downstream failure).
-
 Retire
     When mlx-lm's ``ArraysCache`` accepts being built without a size in every supported release.
 

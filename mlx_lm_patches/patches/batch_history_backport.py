@@ -19,13 +19,6 @@ Fix
       (one row, no padding), forwarded to the children of a ``CacheList``.
     * ``cache_length`` counts a recurrent cache that holds state as history.
 
-Affected
-    mlx-lm 0.28.4 - 0.30.2 (0.30.4 added ``ArraysCache.merge``/``prepare``/``finalize``).
-
-Upstream
-    https://github.com/ml-explore/mlx-lm/blob/v0.30.2/mlx_lm/generate.py (``_merge_caches``);
-    https://github.com/ml-explore/mlx-lm/blob/v0.30.4/mlx_lm/models/cache.py.
-
 Retire
     When 0.30.2 drops out of the supported range.
 

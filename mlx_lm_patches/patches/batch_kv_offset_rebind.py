@@ -14,13 +14,6 @@ Fix
     the method's in-place update only touches an array nobody else holds - what 0.32.0 does by
     writing ``self.offset = self.offset + n``. Values are identical; only aliasing changes.
 
-Affected
-    mlx-lm 0.28.4 - 0.31.3 (0.32.0 stopped updating in place).
-
-Upstream
-    https://github.com/ml-explore/mlx-lm/blob/v0.31.3/mlx_lm/models/cache.py (``BatchKVCache``);
-    fixed in https://github.com/ml-explore/mlx-lm/blob/v0.32.0/mlx_lm/models/cache.py.
-
 Retire
     When 0.31.3 drops out of the supported range.
 

@@ -14,13 +14,6 @@ Fix
     before the row's length - the rule mlx-lm 0.32.0 adopted; ``finalize`` takes it away. The
     class's ``make_mask`` is untouched, so single-sequence decoding never calls into the package.
 
-Affected
-    mlx-lm 0.31.3 (0.32.0 fixed ``make_mask``).
-
-Upstream
-    https://github.com/ml-explore/mlx-lm/blob/v0.31.3/mlx_lm/models/cache.py (``ArraysCache``);
-    fixed in https://github.com/ml-explore/mlx-lm/blob/v0.32.0/mlx_lm/models/cache.py.
-
 Retire
     When 0.31.3 drops out of the supported range.
 

@@ -1,46 +1,22 @@
 """Batched generation of hybrid models is exact: rows of different lengths are prefilled alone.
 
 Bug
-    ``BatchGenerator`` prefills the prompts of a batch together, padding the shorter rows
-    (``PromptProcessingBatch.prompt`` right-pads and relies on ``cache.prepare(lengths=...)``).
-    Attention layers mask the padding, but many recurrent layers fold the padded positions into
-    their state: mamba, jamba, nemotron_h (``lengths`` never reaches ``ssm_update``),
-    bailing_moe_linear, olmo_hybrid, recurrent_gemma, rwkv7, baichuan_m1 and
-    longcat_flash_ngram decode to silently wrong tokens as soon as prompts of different lengths
-    (or continuations of prompt caches of different lengths) share a batch.
-
-    Models whose rotary frequencies depend on the sequence length (dynamic-NTK scaling, the
-    two-factor longrope of 0.29.x-0.30.0; ``mlx_lm_patches/mechanisms/rope_rows.py``) cannot be prefilled
-    padded either: a padded row is rotated with the frequencies of the padded length (or, left
-    padded on <= 0.31.1, of a shifted one for internlm2/3), not of its own.
+    ``BatchGenerator`` prefills a batch's prompts together, padding the shorter rows. Attention
+    layers mask the padding, but many recurrent layers fold it into their state (mamba, jamba,
+    nemotron_h, bailing_moe_linear, olmo_hybrid, recurrent_gemma, rwkv7, baichuan_m1,
+    longcat_flash_ngram): silently wrong tokens once prompts (or prompt-cache continuations) of
+    different lengths share a batch; older releases crash in a batched recurrent prefill. Models
+    whose rotary frequencies depend on the sequence length (``mechanisms/rope_rows.py``) cannot
+    be prefilled padded either.
 
 Fix
-    Prefill hybrid rows alone, through the model's own forward with a batch of one and no
-    padding (the reference path), then batch them for decoding with mlx-lm's own machinery.
-    Rows of different lengths of a model with such a rotary embedding are prefilled alone too
-    (their decoding is made batchable by ``internlm2-batch-rope``, ``internlm3-batch-rope``,
-    ``su-scaled-rope-batch`` and ``dynamic-ntk-rope-batch``).
-    Decoding stays batched: one token per row needs no padding and no mask. Batches of
-    equal-length rows and attention-only models take the stock path unchanged. Cost: prompts of
-    different lengths are no longer prefilled in one forward pass.
-
-    * >= 0.31.2, ``PromptProcessingBatch.prompt``: when the batch holds recurrent caches
-      (``ArraysCache``, also inside ``CacheList``) and the rows differ in length, take each row's
-      cache out of the batch, prefill the row alone, rebuild the batch cache with
-      ``_merge_caches``.
-    * <= 0.31.1, ``BatchGenerator._process_prompts``: for several prompts with recurrent
-      caches, call the original once per prompt and join the single-prompt batches with
-      ``Batch.extend``. On <= 0.30.2 this is done for equal lengths too: a batched recurrent
-      prefill there crashes in the gated-delta CPU path (``[broadcast_shapes]``, the mask is
-      shaped for one row); there it works with ``arrays-cache-extract`` (finished sequences hand
-      back their caches) and ``batch-history-backport`` (continuing from prompt caches).
-
-Affected
-    Every supported release (0.28.4 - 0.32.2); the probe decides on newer ones.
-
-Upstream
-    https://github.com/ml-explore/mlx-lm/blob/v0.32.2/mlx_lm/generate.py
-    (``PromptProcessingBatch.prompt``); per-model root causes in docs/archive/2026-11-research/batching.md.
+    Prefill such rows alone through the model's own forward with a batch of one (the reference
+    path), then batch them for decoding with mlx-lm's own machinery (``PromptProcessingBatch.
+    prompt`` where it exists: rows taken out and merged back, ``mechanisms/row_prefill.py``;
+    else ``BatchGenerator._process_prompts`` once per prompt, joined with ``Batch.extend``).
+    Decoding stays batched; equal-length batches and attention-only models take the stock path.
+    Cost: prompts of different lengths are no longer prefilled in one pass. Details:
+    docs/batching.md.
 
 Retire
     When every recurrent family in mlx-lm masks padded positions in batched prefill (the probe
@@ -53,8 +29,9 @@ Metal
 import logging
 import sys
 
-from mlx_lm_patches.mechanisms import rope_rows
 from mlx_lm_patches.engine.contract import Outcome
+from mlx_lm_patches.mechanisms import rope_rows
+from mlx_lm_patches.mechanisms.row_prefill import prefill_rows_alone
 
 log = logging.getLogger("mlx_lm_patches")
 
@@ -68,60 +45,6 @@ def _has_recurrent(caches) -> bool:
         if isinstance(c, arrays_cache) or _has_recurrent(getattr(c, "caches", ())):
             return True
     return False
-
-
-class _Unsupported(Exception):
-    pass
-
-
-def _row_cache(c, i):
-    """Row ``i`` of a batch cache, as the single-sequence cache the model uses alone."""
-    cm = sys.modules[CACHE]
-    if isinstance(c, cm.CacheList):
-        return cm.CacheList(*(_row_cache(sub, i) for sub in c.caches))
-    if isinstance(c, cm.ArraysCache):
-        row = type(c).__new__(type(c))
-        row.cache = [None if s is None else s[i:i + 1] for s in c.cache]
-        row.left_padding = None
-        row.lengths = None
-        return row
-    if isinstance(c, cm.BatchKVCache):
-        return cm.KVCache() if c.keys is None else c.extract(i)
-    if isinstance(c, cm.BatchRotatingKVCache):
-        if c.keys is None:
-            return cm.RotatingKVCache(max_size=c.max_size)
-        return c.extract(i)
-    raise _Unsupported(type(c).__name__)
-
-
-def prefill_rows_alone(instance, tokens, row_model=None) -> bool:
-    """Prefill each row of a ``PromptProcessingBatch`` alone (a batch of one, through the
-    model's own forward), then rebuild the batch cache with mlx-lm's ``_merge_caches``.
-    ``row_model(i, row_caches, history)`` may give the callable to run row ``i`` through and a
-    function to call when the row is done (default: the batch's model). ``False`` (nothing
-    changed) if a row cache cannot be taken out of the batch."""
-    import mlx.core as mx
-
-    try:
-        rows = [[_row_cache(c, i) for c in instance.prompt_cache] for i in range(len(tokens))]
-    except _Unsupported:
-        return False
-    histories = [list(held) for held in instance.tokens]
-    for held, new in zip(instance.tokens, tokens):  # the tokens now in each row's cache
-        held += new
-    step = max(1, int(instance.prefill_step_size))
-    for i, (row_tokens, row) in enumerate(zip(tokens, rows)):
-        model, done = row_model(i, row, histories[i]) if row_model else (instance.model, None)
-        for start in range(0, len(row_tokens), step):
-            chunk = mx.array([list(row_tokens[start:start + step])])
-            model(chunk, cache=row)
-            mx.eval([c.state for c in row])
-        if done is not None:
-            done()
-        mx.clear_cache()
-    instance.prompt_cache = sys.modules[GENERATE]._merge_caches(rows)
-    mx.eval([c.state for c in instance.prompt_cache])
-    return True
 
 
 def _prompt(wrapped, instance, args, kwargs):

@@ -16,14 +16,6 @@ Fix
     ``mlx_lm.models.cache``, as ``load_prompt_cache`` does). The saved tensors are unchanged.
     0.31.1 did the same with a nested ``state``; the file format of each release is kept.
 
-Affected
-    mlx-lm 0.28.4 - 0.30.7 (fixed in 0.31.1).
-
-Upstream
-    https://github.com/ml-explore/mlx-lm/blob/v0.30.7/mlx_lm/models/cache.py (``CacheList``);
-    fixed in https://github.com/ml-explore/mlx-lm/blob/v0.31.1/mlx_lm/models/cache.py
-    (``CacheList.meta_state`` / ``from_state``).
-
 Retire
     When 0.30.7 drops out of the supported range.
 

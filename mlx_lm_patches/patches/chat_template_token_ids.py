@@ -21,13 +21,6 @@ Fix
     ``return_dict`` itself; everything else is forwarded unchanged. This is the behaviour mlx-lm
     adopted in 0.30.0.
 
-Affected
-    mlx-lm 0.28.4 - 0.29.x with transformers >= 5 (the probe checks the installed transformers).
-
-Upstream
-    https://github.com/ml-explore/mlx-lm/pull/691 (``TokenizerWrapper.apply_chat_template``,
-    released in 0.30.0); https://github.com/ml-explore/mlx-lm/blob/v0.28.4/mlx_lm/chat.py.
-
 Retire
     When the oldest supported mlx-lm is 0.30.0.
 

@@ -1,50 +1,21 @@
 """Distributed ``mlx_lm.server``: a rank whose generation loop died ends its process, so that
-``mlx.launch`` ends the others and every client gets an error, instead of the whole server
-hanging forever.
+``mlx.launch`` ends the others and every client gets an error, instead of the server hanging.
 
 Bug
-    With more than one rank (``mlx.launch ... mlx_lm.server``) every rank runs the same
-    generation loop (``ResponseGenerator._generate``), in lockstep: each request is shared from
-    rank 0 with a collective, and the sharded model's forward meets in collectives. When the
-    loop of one rank dies - an exception inside the model forward or its evaluation on that rank
-    only (a layer that fails on one pipeline stage, memory that runs out on one host) reaches
-    the loop, which ends its thread - the other ranks wait in their next collective for a rank
-    that will never come. ``mlx.launch`` ends every rank once one exits with an error, but
-    this one does not: rank 0's process stays alive (its HTTP threads run), and another rank
-    returns from ``main`` with exit code 0, which ``mlx.launch`` takes for a rank that
-    completed. The request in flight and every later one hang, and the other processes never
-    exit. (0.32.0+ answers "generation thread died" on rank 0 when its own loop died; another
-    rank's death is never seen.)
+    Under ``mlx.launch`` every rank runs the generation loop in lockstep (requests shared from
+    rank 0, the sharded forward meeting in collectives). When one rank's loop dies (an exception
+    in the forward on that rank only), the others wait forever in their next collective; rank 0
+    stays alive and another rank exits 0, which ``mlx.launch`` takes for success: the request in
+    flight and every later one hang and no process exits.
 
 Fix
-    Wrap ``ResponseGenerator._generate`` (the loop). In a group of more than one rank, when it
-    raises, log which rank stopped and why and end the process with exit code ``EXIT_CODE``:
-    rank 0 ``GRACE_SECONDS`` later, after the error went on to whatever answers its requests in
-    flight (mlx-lm's own handler, or ``server-thread-death``); another rank at once (each a
-    second after its last output, for ``mlx.launch`` to forward it).
-    ``mlx.launch`` then ends every other rank: the clients get an error (rank 0's own answer,
-    or a closed connection), and every process exits. One process: nothing changes.
-
-    A failure the ranks can agree on does not reach this point: a request that fails to
-    tokenize on some ranks is refused by all (``distributed-request-agreement``) and the server
-    goes on. What cannot be agreed on is a failure inside the model, once the ranks are inside
-    its collectives: ending the group is the only bounded outcome. Requests served one at a time
-    (``_serve_single``: ``--draft-model``, models that cannot batch) catch their own errors and
-    answer them on the failing rank, which then goes on to the next request while the others
-    wait: there the request's reply queue is wrapped, and an error put on it that the ranks did
-    not agree on (``distributed-request-agreement`` marks the ones they did) ends the rank the
-    same way. The price: an error every rank raises alike in such a request (rare: the request
-    was tokenized on every rank) also ends the server, where stock answers it and goes on; a
-    client that disconnects from such a request does too (stock raises on rank 0 only there and
-    hangs).
-
-Affected
-    Every release whose server runs distributed (``ResponseGenerator._is_distributed``,
-    0.30.6 - 0.32.2); the probe decides.
-
-Upstream
-    https://github.com/ml-explore/mlx-lm/blob/v0.32.2/mlx_lm/server.py (``_run_generate``,
-    ``_generate``, ``_share_request``).
+    With more than one rank, a raise out of ``ResponseGenerator._generate`` is logged and ends
+    the process with ``EXIT_CODE`` (rank 0 ``GRACE_SECONDS`` later, after its requests in flight
+    got the error; other ranks at once); ``mlx.launch`` then ends the rest. In requests served
+    alone (``_serve_single``) the reply queue is wrapped: an error the ranks did not agree on
+    (``distributed-request-agreement`` marks those they did) ends the rank the same way; an
+    error every rank raises alike there ends the server too, where stock answers it. One
+    process: nothing changes. Details: docs/distributed.md.
 
 Retire
     When mlx-lm ends (or recovers) a distributed server whose generation loop died on one rank.
@@ -59,9 +30,11 @@ import os
 import sys
 import threading
 import time
+from functools import partial
 
 from mlx_lm_patches.engine import bytecode
 from mlx_lm_patches.engine.contract import NotNeeded, Outcome
+from mlx_lm_patches.mechanisms import server_ranks
 
 SERVER = "mlx_lm.server"
 GRACE_SECONDS = 3.0  # for rank 0's handlers to answer the requests in flight with the error
@@ -70,15 +43,6 @@ LAST_WORDS_SECONDS = 1.0  # for mlx.launch to forward what the rank wrote last (
 EXIT_CODE = 70  # EX_SOFTWARE
 
 log = logging.getLogger("mlx_lm_patches")
-
-
-def _group():
-    import mlx.core as mx
-
-    if not mx.distributed.is_available():
-        return None
-    group = mx.distributed.init()
-    return group if group.size() > 1 else None
 
 
 def _end_process():
@@ -93,14 +57,14 @@ def _end_process():
     os._exit(EXIT_CODE)
 
 
-def _generate_or_end_the_rank(wrapped, instance, args, kwargs):
-    group = _group()
+def _generate_or_end_the_rank(memo, wrapped, instance, args, kwargs):
+    group = server_ranks.group()
     if group is None:
         return wrapped(*args, **kwargs)
     try:
         return wrapped(*args, **kwargs)
     except Exception as exc:
-        _end_the_rank(group, "the generation loop", exc)
+        _end_the_rank(memo, group, "the generation loop", exc)
         raise
 
 
@@ -108,39 +72,37 @@ class _EndingQueue:
     """A request's reply queue in a request served alone: an error put on it that the ranks did
     not agree on ends the rank (after the error is handed on)."""
 
-    def __init__(self, queue, group):
-        self._queue, self._group = queue, group
+    def __init__(self, queue, group, memo):
+        self._queue, self._group, self._memo = queue, group, memo
 
     def put(self, item, *args, **kwargs):
-        from mlx_lm_patches.patches.distributed_request_agreement import AGREED
-
-        if isinstance(item, BaseException) and not getattr(item, AGREED, False):
-            _end_the_rank(self._group, "a request served alone", item)
+        if isinstance(item, BaseException) and not server_ranks.agreed(item):
+            _end_the_rank(self._memo, self._group, "a request served alone", item)
         return self._queue.put(item, *args, **kwargs)
 
     def __getattr__(self, name):
         return getattr(self._queue, name)
 
 
-def _serve_single_or_end_the_rank(wrapped, instance, args, kwargs):
+def _serve_single_or_end_the_rank(memo, wrapped, instance, args, kwargs):
     """``_serve_single((rqueue, request, args), ...)`` catches a request's error and answers it on
     this rank only, which then goes on to the next request while the others may wait in the
     model's collective: with more than one rank, such an error ends the rank instead."""
-    group = _group()
+    group = server_ranks.group()
     if group is None or not args or not isinstance(args[0], tuple) or len(args[0]) != 3:
         return wrapped(*args, **kwargs)
     rqueue, request, arguments = args[0]
-    return wrapped((_EndingQueue(rqueue, group), request, arguments), *args[1:], **kwargs)
+    return wrapped((_EndingQueue(rqueue, group, memo), request, arguments), *args[1:], **kwargs)
 
 
-_ending = []  # set once the rank is on its way out
+ENDING = "the rank is on its way out"  # in the patcher's memo (revert clears it, status lists it)
 
 
-def _end_the_rank(group, what, exc):
+def _end_the_rank(memo, group, what, exc):
     grace = GRACE_SECONDS if group.rank() == 0 else 0.0  # only rank 0 has clients to answer
-    if _ending:
+    if memo.get(ENDING) is not None:
         return
-    _ending.append(what)
+    memo[ENDING] = what
     log.error("mlx-lm-patches: %s of rank %d of %d stopped on %s: %s; the other ranks "
               "would wait for it forever, so this rank ends in %.0f s (exit code %d) and mlx.launch "
               "ends the others", what, group.rank(), group.size(), type(exc).__name__, exc, grace, EXIT_CODE)
@@ -165,8 +127,8 @@ def probe():
 
 
 def apply(p):
-    p.wrap(f"{SERVER}:ResponseGenerator._generate", _generate_or_end_the_rank)
-    p.wrap_if_present(f"{SERVER}:ResponseGenerator._serve_single", _serve_single_or_end_the_rank)
+    p.wrap(f"{SERVER}:ResponseGenerator._generate", partial(_generate_or_end_the_rank, p.memo))
+    p.wrap_if_present(f"{SERVER}:ResponseGenerator._serve_single", partial(_serve_single_or_end_the_rank, p.memo))
 
 
 def scenario():

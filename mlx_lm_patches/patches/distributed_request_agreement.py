@@ -2,59 +2,36 @@
 every rank, instead of hanging the server.
 
 Bug
-    With more than one rank (``mlx.launch ... mlx_lm.server``), rank 0 shares each request and
-    every rank runs it, in lockstep: their collectives (the sharded model's ``all_sum``, the next
-    request's share) must pair up. ``ResponseGenerator._tokenize`` (chat template, tokenizer)
-    runs on every rank, and a rank where it raises answers the request with the error and goes
-    on to the next request's share, while the ranks where it worked enter the model forward and
-    wait in its collective for that rank. Nothing ever pairs them again: the request never
-    ends, nor does any later one. One rank is enough: a chat template or tokenizer file that
-    differs between hosts, a host-local fault, a bug that depends on the rank.
+    Under ``mlx.launch`` every rank runs each shared request in lockstep. A rank whose
+    ``ResponseGenerator._tokenize`` raises (a chat template or tokenizer that differs between
+    hosts, a host-local fault) answers the error and moves on, while the others wait in the
+    model's collective for it: that request and every later one hang.
 
 Fix
-    Wrap ``_tokenize``. In a group of more than one rank, every rank reports whether its call
-    raised in one small ``all_sum`` (a flag per rank) - every rank calls ``_tokenize`` for the
-    same shared request at the same point of its loop, so these collectives always pair. If
-    any rank failed, every rank raises: its own error, or ``RuntimeError("... failed on rank(s)
-    N ...")``; each rank's loop then answers (rank 0: the client gets the error) and moves on to
-    the next request together. With one process nothing changes (no collective is added).
-
-Affected
-    Releases whose server shares requests across ranks (``ResponseGenerator._share_request``):
-    0.31.2 - 0.32.2. The probe decides elsewhere.
-
-Upstream
-    https://github.com/ml-explore/mlx-lm/blob/v0.32.2/mlx_lm/server.py (``_share_object``,
-    ``_tokenize``, the batch loop in ``_generate`` and ``_serve_single``).
+    Wrap ``_tokenize``. With more than one rank, every rank reports whether its call raised in
+    one small ``all_sum`` (every rank tokenizes the same request at the same point, so these
+    collectives pair); if any rank failed, every rank raises (its own error, or "failed on
+    rank(s) N") and marks it agreed (``mechanisms/server_ranks.py``), and the ranks move on to
+    the next request together. One process: nothing changes.
 
 Retire
     When mlx-lm agrees on per-request failures across ranks itself.
 
 Metal
-    Server control flow and one ``all_sum`` of a few integers per request; no kernel involved.
+    Server control flow and one ``all_sum`` of a few integers per request.
 
 Not covered
-    A failure inside the model forward on one rank only (after the ranks agreed that the
-    request is valid) still desynchronises them: they cannot agree without a collective they
-    are all in (docs/distributed.md).
+    A failure inside the model forward on one rank only still desynchronises the ranks
+    (``distributed-generation-death`` ends the group; docs/distributed.md).
 """
 
 import sys
 
 from mlx_lm_patches.engine import bytecode
 from mlx_lm_patches.engine.contract import NotNeeded, Outcome
+from mlx_lm_patches.mechanisms import server_ranks
 
 SERVER = "mlx_lm.server"
-AGREED = "_mlx_lm_patches_agreed"  # on an error every rank raised together for the same request
-
-
-def _group():
-    import mlx.core as mx
-
-    if not mx.distributed.is_available():
-        return None
-    group = mx.distributed.init()
-    return group if group.size() > 1 else None
 
 
 def agree(group, error):
@@ -67,18 +44,18 @@ def agree(group, error):
         flags[group.rank()] = 1
     failed = [rank for rank, flag in enumerate(mx.distributed.all_sum(flags, group=group).tolist()) if flag]
     if error is not None:
-        setattr(error, AGREED, True)
+        server_ranks.mark_agreed(error)
         raise error
     if failed:
         ranks = ", ".join(map(str, failed))
         refusal = RuntimeError(f"the request failed on rank(s) {ranks} of {group.size()} (see that rank's log); "
                                "every rank refuses it")
-        setattr(refusal, AGREED, True)
+        server_ranks.mark_agreed(refusal)
         raise refusal
 
 
 def _tokenize_on_every_rank(wrapped, instance, args, kwargs):
-    group = _group()
+    group = server_ranks.group()
     if group is None:
         return wrapped(*args, **kwargs)
     try:

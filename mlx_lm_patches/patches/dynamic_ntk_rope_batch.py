@@ -16,14 +16,6 @@ Fix
     on how a prompt is cut into forward passes, so rows of different lengths are prefilled alone
     (``batch-prefill-per-row`` recognises this class); decoding stays batched.
 
-Affected
-    mlx-lm 0.32.0 - 0.32.2 (the class is new in 0.32.0; before, ``initialize_rope`` rejected type
-    ``dynamic``); open-ended, the probe decides on newer releases.
-
-Upstream
-    https://github.com/ml-explore/mlx-lm/blob/v0.32.2/mlx_lm/models/rope_utils.py
-    (``DynamicNTKScalingRoPE``), added by https://github.com/ml-explore/mlx-lm/pull/1606.
-
 Retire
     When ``DynamicNTKScalingRoPE`` handles per-row offsets upstream (the probe then says the bug
     is absent).

@@ -17,13 +17,6 @@ Fix
     from ``mlx_lm.generate``) sees the new object when it is imported afterwards; if it was
     imported before, its copy is replaced too.
 
-Affected
-    mlx-lm < 0.31.3 with mlx >= 0.32.0 (the probe checks the stream from a new thread).
-
-Upstream
-    https://github.com/ml-explore/mlx-lm/blob/v0.31.2/mlx_lm/generate.py (``mx.new_stream``);
-    https://github.com/ml-explore/mlx-lm/blob/v0.31.3/mlx_lm/generate.py (``mx.new_thread_local_stream``).
-
 Retire
     When the oldest supported mlx-lm is 0.31.3.
 

@@ -15,12 +15,6 @@ Fix
     and run the same embedding, mask, blocks and final norm as the stock method; with an int
     offset or no cache the stock method runs unchanged. The cache's offset is only read.
 
-Affected
-    Every supported release (0.28.4 - 0.32.2); the probe decides on newer ones.
-
-Upstream
-    https://github.com/ml-explore/mlx-lm/blob/v0.32.2/mlx_lm/models/gpt_bigcode.py (``GPTBigCodeModel.__call__``).
-
 Retire
     When gpt_bigcode computes positions from array offsets upstream.
 

@@ -24,14 +24,6 @@ Fix
     gives a dense model's, and ``BatchGenerator._make_new_cache`` (0.31.3) bounds those inside
     a ``CacheList`` too (``keep=0``, as that release does for the others).
 
-Affected
-    Every supported release (0.28.4 - 0.32.2); the probe decides on newer ones.
-
-Upstream
-    https://github.com/ml-explore/mlx-lm/blob/v0.32.2/mlx_lm/models/cache.py
-    (``make_prompt_cache``); https://github.com/ml-explore/mlx-lm/pull/1526 and
-    https://github.com/ml-explore/mlx-lm/pull/1343 (closed) asked for it.
-
 Retire
     When ``make_prompt_cache`` gives a hybrid's attention layers a rotating cache for
     ``max_kv_size`` in every supported release.

@@ -17,15 +17,6 @@ Fix
     on how a prompt is cut into forward passes, so rows of different lengths are prefilled alone
     (``batch-prefill-per-row`` recognises this rotary class); decoding stays batched.
 
-Affected
-    mlx-lm 0.28.4 - 0.31.3. 0.32.0 builds internlm2's rotary embedding with ``initialize_rope``
-    (dynamic scaling then goes through ``rope_utils.DynamicNTKScalingRoPE``:
-    ``dynamic-ntk-rope-batch``).
-
-Upstream
-    https://github.com/ml-explore/mlx-lm/blob/v0.31.3/mlx_lm/models/internlm2.py
-    (``DynamicNTKScalingRoPE``); replaced in https://github.com/ml-explore/mlx-lm/pull/1606.
-
 Retire
     When 0.31.3 drops out of the supported range.
 
@@ -36,54 +27,17 @@ Metal
 import sys
 
 from mlx_lm_patches.engine.contract import missing
-from mlx_lm_patches.mechanisms import rope_rows
+from mlx_lm_patches.mechanisms.internlm_rope import per_row_dynamic_ntk, per_row_failure
 
 MODULE = "mlx_lm.models.internlm2"
 PID = "internlm2-batch-rope"
-
-
-def per_row_dynamic_ntk(wrapped, instance, args, kwargs):
-    """Wrapper of internlm2/internlm3 ``DynamicNTKScalingRoPE.__call__`` (same class in both)."""
-    import mlx.core as mx
-
-    x = args[0] if args else kwargs["x"]
-    offset = args[1] if len(args) > 1 else kwargs.get("offset", 0)
-    if not rope_rows.is_row_offsets(offset):
-        return wrapped(*args, **kwargs)
-    heads = x.shape[1]
-    limit = instance.max_position_embeddings
-    scale, dims = instance.scale, instance.dims
-
-    def base(row_offset):
-        seq_len = heads + row_offset
-        if seq_len > limit:
-            return instance.original_base * ((scale * seq_len / limit) - (scale - 1)) ** (dims / (dims - 2))
-        return instance.original_base
-
-    def rotate(rows, offsets, row_base):
-        return mx.fast.rope(rows, dims, traditional=instance.traditional, base=row_base,
-                            scale=scale, offset=offsets)
-
-    return rope_rows.rotate_rows(x, offset, base, rotate)
-
-
-def probe_class(cls):
-    """Evidence that ``cls(...)(x, offset=per-row offsets)`` fails, or None."""
-    import mlx.core as mx
-
-    rope = cls(16, max_position_embeddings=4, base=10000.0, scale=2.0)
-    try:
-        mx.eval(rope(mx.zeros((2, 4, 1, 16)), offset=mx.array([1, 5])))
-    except (ValueError, TypeError) as exc:
-        return f"{cls.__module__}.{cls.__qualname__} with per-row offsets raises {type(exc).__name__}: {exc}"
-    return None
 
 
 def probe():
     gone = missing(f"{MODULE}:DynamicNTKScalingRoPE")
     if gone is not None:  # (a NotNeeded is falsy)
         return gone
-    return probe_class(sys.modules[MODULE].DynamicNTKScalingRoPE)
+    return per_row_failure(sys.modules[MODULE].DynamicNTKScalingRoPE)
 
 
 def apply(p):

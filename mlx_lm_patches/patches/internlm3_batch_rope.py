@@ -11,17 +11,6 @@ Fix
     of different lengths are prefilled alone (``batch-prefill-per-row``); an int offset runs the
     stock method.
 
-Affected
-    mlx-lm 0.28.4 - 0.31.3. From 0.32.0 internlm3 builds its rotary embedding with
-    ``initialize_rope`` (the class is still defined but unused; dynamic scaling then goes through
-    ``rope_utils.DynamicNTKScalingRoPE``: ``dynamic-ntk-rope-batch``). So the probe asks which
-    class internlm3's ``Attention`` builds before calling it: on a git or local install of main
-    (labelled 0.32.0 before its release, decided by the probe alone) the bug is absent.
-
-Upstream
-    https://github.com/ml-explore/mlx-lm/blob/v0.31.3/mlx_lm/models/internlm3.py
-    (``DynamicNTKScalingRoPE``); replaced in https://github.com/ml-explore/mlx-lm/pull/1606.
-
 Retire
     When 0.31.3 drops out of the supported range.
 
@@ -32,7 +21,7 @@ Metal
 import sys
 
 from mlx_lm_patches.engine.contract import NotNeeded, missing
-from mlx_lm_patches.patches.internlm2_batch_rope import per_row_dynamic_ntk, probe_class
+from mlx_lm_patches.mechanisms.internlm_rope import per_row_dynamic_ntk, per_row_failure
 
 MODULE = "mlx_lm.models.internlm3"
 PID = "internlm3-batch-rope"
@@ -68,7 +57,7 @@ def probe():
         names = sorted({f"{t.__module__}.{t.__qualname__}" for t in used})
         return NotNeeded(f"internlm3's attention builds {' / '.join(names)}, not its own "
                          "DynamicNTKScalingRoPE: not needed")
-    return probe_class(cls)
+    return per_row_failure(cls)
 
 
 def apply(p):

@@ -17,13 +17,6 @@ Fix
       ``lengths`` branch would keep is exactly the last ``kernel_size - 1`` inputs, which the
       ``lengths=None`` branch keeps. Other calls are passed through unchanged.
 
-Affected
-    mlx-lm 0.28.4 - 0.30.6 (0.30.7 fixed ``ShortConv1d``; tuples are handled from 0.30.7).
-
-Upstream
-    https://github.com/ml-explore/mlx-lm/blob/v0.30.6/mlx_lm/models/kimi_linear.py;
-    fixed in https://github.com/ml-explore/mlx-lm/blob/v0.30.7/mlx_lm/models/kimi_linear.py.
-
 Retire
     When 0.30.6 drops out of the supported range.
 

@@ -21,13 +21,6 @@ Fix
     ``MambaCache`` load again on >= 0.30.6, because the class is back in the module that
     ``load_prompt_cache`` resolves class names in.
 
-Affected
-    Every supported release (0.28.4 - 0.32.2); the probe decides on newer ones.
-
-Upstream
-    https://github.com/ml-explore/mlx-lm/blob/v0.30.5/mlx_lm/models/cache.py (last release
-    with the class); downstream breakage: https://github.com/waybarrios/vllm-mlx/pull/160.
-
 Retire
     When every supported release either has a ``MambaCache`` accepting all the conventions
     above, or downstream code no longer imports it: narrow ``affected`` in compat_matrix.yaml
@@ -40,6 +33,7 @@ Metal
 import sys
 
 from mlx_lm_patches.engine.contract import Outcome
+from mlx_lm_patches.mechanisms.mamba_cache_class import mark_restored
 
 CACHE = "mlx_lm.models.cache"
 _DEFAULT_SIZE = 2
@@ -89,13 +83,8 @@ def _make_class(arrays_cache):
 
     MambaCache.__module__ = CACHE
     MambaCache.__qualname__ = "MambaCache"
-    MambaCache._mlx_lm_patches_restored = True
+    mark_restored(MambaCache)
     return MambaCache
-
-
-def restored(cls) -> bool:
-    """``cls`` is the ``MambaCache`` this patch put back (not one mlx-lm defines)."""
-    return bool(vars(cls).get("_mlx_lm_patches_restored"))
 
 
 def _init_wrapper(wrapped, instance, args, kwargs):

@@ -14,15 +14,6 @@ Fix
     ``MambaCache``) holding the same row - what this package's backport of ``extract`` does on
     older releases (``arrays-cache-extract``).
 
-Affected
-    mlx-lm 0.30.4 - 0.30.5 (0.30.6 removed ``MambaCache`` and the ``isinstance`` check). The
-    ``MambaCache`` that ``mamba-cache-compat`` puts back on later releases is not mlx-lm's own:
-    nothing there asks for the class, and the probe says not needed.
-
-Upstream
-    https://github.com/ml-explore/mlx-lm/blob/v0.30.5/mlx_lm/models/cache.py (``ArraysCache.extract``);
-    https://github.com/ml-explore/mlx-lm/blob/v0.30.5/mlx_lm/models/mamba.py (``isinstance(cache, MambaCache)``).
-
 Retire
     When 0.30.5 drops out of the supported range.
 
@@ -51,7 +42,7 @@ def _same_class(wrapped, instance, args, kwargs):
 def probe():
     import mlx.core as mx
 
-    from mlx_lm_patches.patches.mamba_cache_compat import restored
+    from mlx_lm_patches.mechanisms.mamba_cache_class import restored
 
     cm = sys.modules[CACHE]
     mamba_cache = getattr(cm, "MambaCache", None)

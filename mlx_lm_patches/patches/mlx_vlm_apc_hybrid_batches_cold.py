@@ -20,19 +20,6 @@ Fix
     hits). A request admitted alone keeps its cache hit. Exact; the price is no reuse for
     requests that arrive together.
 
-Affected
-    mlx-vlm >= 0.6.4 (probe: the scenario on a tiny Qwen3.5). Measured on 0.6.4, 0.6.5, 0.6.17 and
-    0.7.10: a 40-token prompt served, then a request sharing 30 of its tokens and one extending
-    it sent together: the extending one off by 0.07 in log-probability (0.6.x) or in its tokens
-    (0.7.10); exact with the fix, and a later request alone still hits. (0.5.0 - 0.6.3, whose
-    reuse is wrong even one request at a time: ``mlx-vlm-apc-hybrid-hits-refused``.)
-
-Upstream
-    https://github.com/Blaizzy/mlx-vlm/blob/v0.7.10/mlx_vlm/generate/ar.py
-    (``BatchGenerator._build_mixed_prompt_batch``, ``PromptProcessingBatch``);
-    https://github.com/Blaizzy/mlx-vlm/blob/v0.7.10/mlx_vlm/models/qwen3_5/language.py
-    (``Qwen3_5Model.__call__``: the row-by-row prefill merging the row caches).
-
 Retire
     When mlx-vlm's mixed prefill keeps the padding record of hybrid caches (and, on 0.6.x,
     the logits of rows that end in an earlier chunk).
@@ -41,21 +28,7 @@ Metal
     Only the admission path differs; the prefill is mlx-vlm's own.
 """
 
-
-def cold_admissions(at_least: int):
-    """Wrapper of ``BatchGenerator._build_mixed_prompt_batch(sequences)``: in the "exact" (hybrid)
-    mode, ``at_least`` or more sequences admitted together are not looked up (``None``: mlx-vlm's
-    cold path)."""
-
-    def wrapper(wrapped, instance, args, kwargs):
-        from mlx_lm_patches.mechanisms.calls import bind_arguments
-
-        sequences = bind_arguments(wrapped, args, kwargs).arguments.get("sequences")
-        if getattr(instance, "apc_mode", None) == "exact" and sequences is not None and len(sequences) >= at_least:
-            return None
-        return wrapped(*args, **kwargs)
-
-    return wrapper
+from mlx_lm_patches.mechanisms.vlm_apc_admission import cold_admissions
 
 
 def apply(p):
@@ -66,18 +39,9 @@ def apply(p):
 def probe():
     """Evidence: a tiny Qwen3.5 whose requests sent together beside a cache hit are answered
     differently from each alone (or raise)."""
-    import importlib.util
+    from mlx_lm_patches.demos.tiny_vlm_models import apc_mixed_prefill_evidence
 
-    from mlx_lm_patches.demos.tiny_vlm_models import apc_mixed_prefill_problem
-    from mlx_lm_patches.engine.contract import NotNeeded
-
-    if importlib.util.find_spec("mlx_vlm.apc") is None:
-        return NotNeeded("this mlx-vlm has no prefix cache (no apc module): not needed")
-    try:
-        problem = apc_mixed_prefill_problem("qwen3_5")
-    except (ValueError, TypeError) as exc:
-        return f"mlx-vlm's mixed prefix-cache prefill raises {type(exc).__name__}: {exc}"
-    return None if problem == "no hit" else problem
+    return apc_mixed_prefill_evidence("qwen3_5")
 
 
 def scenario():

@@ -13,15 +13,6 @@ Fix
     it is given: every request takes mlx-vlm's cold path (exact; no reuse for hybrid models).
     Shares its wrapper with ``mlx-vlm-apc-hybrid-batches-cold``.
 
-Affected
-    mlx-vlm 0.5.0 - 0.6.3 (probe: the scenario on a tiny Qwen3.5). From 0.6.4 a request alone
-    is exact on a hit and only requests admitted together go wrong: the other patch.
-
-Upstream
-    https://github.com/Blaizzy/mlx-vlm/blob/v0.5.0/mlx_vlm/generate.py and
-    https://github.com/Blaizzy/mlx-vlm/blob/v0.6.3/mlx_vlm/generate/ar.py
-    (``BatchGenerator._build_mixed_prompt_batch``).
-
 Retire
     When mlx-vlm < 0.6.4 is no longer supported.
 
@@ -29,7 +20,7 @@ Metal
     Only the admission path differs; the prefill is mlx-vlm's own.
 """
 
-from mlx_lm_patches.patches.mlx_vlm_apc_hybrid_batches_cold import cold_admissions
+from mlx_lm_patches.mechanisms.vlm_apc_admission import cold_admissions
 
 
 def apply(p):
@@ -40,9 +31,9 @@ def probe():
     """Evidence: a tiny Qwen3.5 whose requests beside cache hits (sent together, or alone on a
     snapshot stored from a batch) are answered differently from each without the cache (or
     raise)."""
-    from mlx_lm_patches.patches.mlx_vlm_apc_hybrid_batches_cold import probe as either
+    from mlx_lm_patches.demos.tiny_vlm_models import apc_mixed_prefill_evidence
 
-    return either()
+    return apc_mixed_prefill_evidence("qwen3_5")
 
 
 def scenario():

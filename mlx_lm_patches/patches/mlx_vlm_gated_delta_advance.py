@@ -17,15 +17,6 @@ Fix
     consumed) when the cache has it: mlx-lm's contract for its recurrent layers. For a
     single-sequence cache (no padding, no lengths) ``advance`` changes nothing.
 
-Affected
-    mlx-vlm 0.3.12 (first with qwen3_5) - 0.4.4; measured on 0.4.0 and 0.4.4 (beside mlx-lm
-    0.32.2). 0.5.0 calls ``cache.advance(S)`` itself (read, not run).
-
-Upstream
-    https://github.com/Blaizzy/mlx-vlm/blob/v0.4.0/mlx_vlm/models/qwen3_5/language.py
-    (``Qwen3_5GatedDeltaNet.__call__``);
-    https://github.com/Blaizzy/mlx-vlm/blob/v0.5.0/mlx_vlm/models/qwen3_5/language.py.
-
 Retire
     When mlx-vlm < 0.5.0 is no longer supported.
 

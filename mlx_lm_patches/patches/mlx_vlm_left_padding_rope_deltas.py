@@ -20,18 +20,6 @@ Fix
     The caller's dictionaries are not changed; rows without padding, or without
     ``position_ids``/``rope_deltas``, are passed as they are.
 
-Affected
-    mlx-vlm 0.6.15 (first with ``existing_left_padding``) - 0.6.17 (the last 0.6), measured on
-    0.6.17 (tiny Qwen3.5, Qwen3.5-MoE and Qwen3-VL, prompts of 5/9/13 tokens: the two padded
-    rows wrong from their second token; exact with the fix). 0.7 strips the padding instead
-    (see ``mlx-vlm-unpadded-rope-deltas``); 0.5.0 - 0.6.14 insert the padding as prompt tokens.
-
-Upstream
-    https://github.com/Blaizzy/mlx-vlm/blob/v0.6.17/mlx_vlm/generate/ar.py
-    (``_generate_batch``: ``existing_left_padding``; ``BatchGenerator.insert``);
-    https://github.com/Blaizzy/mlx-vlm/blob/v0.6.17/mlx_vlm/models/qwen3_5/language.py
-    (``get_rope_index``: ``max_position_ids + 1 - attention_mask.shape[-1]``).
-
 Retire
     With mlx-vlm 0.6.x (0.7 no longer has ``existing_left_padding``).
 

@@ -18,20 +18,6 @@ Fix
     does for rows inserted one by one. A mask that is not one contiguous span per row is
     refused with an error. See ``mlx_lm_patches/mechanisms/vlm_padding.py``.
 
-Affected
-    mlx-vlm 0.5.0 (``BatchGenerator.insert(prompts, prompt_kwargs=...)`` first) - 0.6.14 (0.6.15
-    tells the generator each row's padding instead, see ``mlx-vlm-left-padding-rope-deltas``).
-    Read in 0.5.0, 0.6.0, 0.6.4, 0.6.10 and 0.6.14; measured on 0.6.14 (tiny Qwen3.5,
-    Qwen3.5-MoE, Qwen3-VL, Qwen3-VL-MoE, ``batch_generate`` of 3 text prompts: the two shorter
-    wrong, exact with the fix). Where the installed release's generator is itself wrong for rows
-    of different lengths (0.5.0 - 0.6.4, README "Not fixed yet"), stripping alone does not make
-    the batch exact.
-
-Upstream
-    https://github.com/Blaizzy/mlx-vlm/blob/v0.6.14/mlx_vlm/generate/ar.py (``_generate_batch``);
-    https://github.com/Blaizzy/mlx-vlm/blob/v0.5.0/mlx_vlm/generate.py;
-    https://github.com/Blaizzy/mlx-vlm/blob/v0.7.10/mlx_vlm/generate/ar.py (``_unpad_batch_prompts``).
-
 Retire
     When mlx-vlm < 0.6.15 is no longer supported.
 

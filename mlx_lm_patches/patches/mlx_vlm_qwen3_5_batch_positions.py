@@ -18,19 +18,6 @@ Fix
     itself). Single-sequence calls run the stock code. See ``mlx_lm_patches/mechanisms/vlm_positions.py``.
     Exact batched Qwen3.5 also needs ``mlx-vlm-gated-delta-advance``.
 
-Affected
-    mlx-vlm 0.3.12 (first with qwen3_5) - 0.4.4; measured on 0.4.0 (crash) and 0.4.4 (no mask
-    slice any more: silently wrong), both beside mlx-lm 0.32.2.
-    0.5.0 rewrote the code this patch wraps, so the range stops there; whether 0.5.0 batches
-    exactly was not established (the tiny-model driver of mlx-vlm's ``BatchGenerator`` does not
-    fit its changed API; through mlx-lm's ``BatchGenerator`` its Qwen3-VL was exact and its
-    Qwen3.5 was not, which may be the driver's doing).
-
-Upstream
-    https://github.com/Blaizzy/mlx-vlm/blob/v0.4.0/mlx_vlm/models/qwen3_5/language.py
-    (``Qwen3_5Attention.__call__``, ``LanguageModel.__call__``);
-    https://github.com/Blaizzy/mlx-vlm/blob/v0.5.0/mlx_vlm/models/qwen3_5/language.py.
-
 Retire
     When mlx-vlm < 0.5.0 is no longer supported.
 

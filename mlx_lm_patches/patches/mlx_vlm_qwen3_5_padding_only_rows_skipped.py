@@ -19,19 +19,6 @@ Fix
     merge would put the padding-only row at 0, i.e. out of its padding) and the matching
     ``left_padding``. Rows with real tokens run the stock row path unchanged.
 
-Affected
-    mlx-vlm 0.6.0 (first with the row-by-row prefill) - 0.6.4; 0.6.5 skips padding-only rows
-    itself (``pad == h.shape[1]``, ``_restore_batch_padding_metadata``). Read in 0.6.0, 0.6.3,
-    0.6.4, 0.6.5. Measured with tiny Qwen3.5 and Qwen3.5-MoE: prompts of 5/9/13 tokens inserted
-    one by one with ``prefill_step_size=3``, prompts of 1 and 2 tokens beside 13, a prefix
-    cache's snapshots inside a row's padding: ValueError stock on 0.6.4, equal to each prompt
-    alone with the fix.
-
-Upstream
-    https://github.com/Blaizzy/mlx-vlm/blob/v0.6.4/mlx_vlm/models/qwen3_5/language.py
-    (``Qwen3_5Model.__call__``, the row loop); the skip added in
-    https://github.com/Blaizzy/mlx-vlm/blob/v0.6.5/mlx_vlm/models/qwen3_5/language.py.
-
 Retire
     When mlx-vlm < 0.6.5 is no longer supported.
 

@@ -13,18 +13,6 @@ Fix
     The same wrapper of ``LanguageModel.__call__``
     (``mlx_lm_patches/mechanisms/vlm_positions.py``, ``prefill_positions_call``).
 
-Affected
-    mlx-vlm >= 0.5.0 (the probe decides). Measured with tiny models, prompts of 5/9/13 tokens
-    inserted one by one into mlx-vlm's ``BatchGenerator``: Qwen3.5 and Qwen3.5-MoE wrong on
-    0.5.0 (padded positions) and 0.6.4 (first decode step), exact with the fix; on 0.6.0 - 0.6.3
-    its language model builds the mask from the cache's padding itself (rows exact stock) but
-    a prefill given positions still loses its deltas.
-
-Upstream
-    https://github.com/Blaizzy/mlx-vlm/blob/v0.6.0/mlx_vlm/models/qwen3_5/language.py
-    (``LanguageModel.__call__``); the deltas kept from
-    https://github.com/Blaizzy/mlx-vlm/blob/v0.6.5/mlx_vlm/models/qwen3_5/language.py.
-
 Retire
     As ``mlx-vlm-qwen3-vl-prefill-positions``.
 

@@ -19,18 +19,6 @@ Fix
     the int padded length. Single-sequence calls run the stock code. See
     ``mlx_lm_patches/mechanisms/vlm_positions.py``.
 
-Affected
-    mlx-vlm <= 0.4.4; measured on 0.4.0 and 0.4.4 (beside mlx-lm 0.32.2). (qwen3_vl_moe is a
-    separate copy of this code: ``mlx-vlm-qwen3-vl-moe-batch-positions``.)
-    0.5.0 rewrote the code this patch wraps, so the range stops there; there its Qwen3-VL text
-    batches were exact through mlx-lm's ``BatchGenerator`` (the tiny-model driver of mlx-vlm's
-    own ``BatchGenerator`` does not fit 0.5.0's API, so that path was not run).
-
-Upstream
-    https://github.com/Blaizzy/mlx-vlm/blob/v0.4.0/mlx_vlm/models/qwen3_vl/language.py
-    (``LanguageModel.__call__``, ``Qwen3VLModel.__call__``, ``Attention.__call__``);
-    https://github.com/Blaizzy/mlx-vlm/blob/v0.5.0/mlx_vlm/models/qwen3_vl/language.py.
-
 Retire
     When mlx-vlm < 0.5.0 is no longer supported.
 

@@ -15,16 +15,6 @@ Fix
     refused), the first layer's batch-cache mask, and the stock attention on a read-only view
     whose ``offset`` is the int padded length. See ``mlx_lm_patches/mechanisms/vlm_positions.py``.
 
-Affected
-    mlx-vlm <= 0.4.4; measured on 0.4.0 (beside mlx-lm 0.32.2; tiny model, prompts of 5/9/13
-    tokens: wrong from the first token batched, exact with the fix). From 0.5.0 the code was
-    rewritten; on 0.6.17 and 0.7.10 its rows batched one by one are exact (measured).
-
-Upstream
-    https://github.com/Blaizzy/mlx-vlm/blob/v0.4.0/mlx_vlm/models/qwen3_vl_moe/language.py
-    (``LanguageModel.__call__``, ``Qwen3VLMoEModel.__call__``, ``Attention.__call__``);
-    https://github.com/Blaizzy/mlx-vlm/blob/v0.5.0/mlx_vlm/models/qwen3_vl_moe/language.py.
-
 Retire
     When mlx-vlm < 0.5.0 is no longer supported.
 

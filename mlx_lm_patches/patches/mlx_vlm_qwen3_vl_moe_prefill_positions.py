@@ -9,16 +9,6 @@ Bug
 Fix
     The same wrapper of ``LanguageModel.__call__`` (``mechanisms/vlm_positions.py``).
 
-Affected
-    mlx-vlm >= 0.5.0 (the probe decides). Measured with tiny models, prompts of 5/9/13 tokens
-    inserted one by one into mlx-vlm's ``BatchGenerator``: wrong on 0.5.0, 0.6.0 and 0.6.4,
-    exact with the fix.
-
-Upstream
-    https://github.com/Blaizzy/mlx-vlm/blob/v0.6.0/mlx_vlm/models/qwen3_vl_moe/language.py
-    (``LanguageModel.__call__``); the deltas kept from
-    https://github.com/Blaizzy/mlx-vlm/blob/v0.6.5/mlx_vlm/models/qwen3_vl_moe/language.py.
-
 Retire
     As ``mlx-vlm-qwen3-vl-prefill-positions``.
 

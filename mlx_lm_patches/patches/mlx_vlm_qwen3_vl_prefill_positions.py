@@ -21,21 +21,6 @@ Fix
     ``rope_deltas`` 0; such a prefill whose tokens include image or video placeholders is
     refused with an error. mlx-vlm's forward runs with them; every other call is stock.
 
-Affected
-    mlx-vlm >= 0.5.0 (the probe decides: a two-layer model prefilling two rows, one padded,
-    on mlx-vlm's caches without positions; or prefilled with handed positions, then one decode
-    step). Measured with tiny models, prompts of 5/9/13 tokens inserted one by one into
-    mlx-vlm's ``BatchGenerator``: wrong on 0.5.0, 0.6.0 and 0.6.4, exact with the fix. From
-    0.6.5 mlx-vlm's own generator hands positions and keeps the deltas (exact stock); the
-    language model without positions is still wrong there (engines that prefill a padded batch
-    themselves).
-
-Upstream
-    https://github.com/Blaizzy/mlx-vlm/blob/v0.6.0/mlx_vlm/models/qwen3_vl/language.py
-    (``LanguageModel.__call__``: ``get_rope_index(inputs, ..., rope_mask)`` with no mask);
-    https://github.com/Blaizzy/mlx-vlm/blob/v0.6.5/mlx_vlm/models/qwen3_vl/language.py
-    (``if rope_deltas_kw is not None: self._rope_deltas = rope_deltas_kw``).
-
 Retire
     When mlx-vlm's language model builds positions from its batch cache's left padding (as
     0.6's Qwen3.5 does for its mask), and mlx-vlm < 0.6.5 is no longer supported.

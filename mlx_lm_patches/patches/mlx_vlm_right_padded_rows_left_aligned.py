@@ -19,17 +19,6 @@ Fix
     Rows already padded on the left are passed as they are; a mask row that is not one
     contiguous span is refused with an error. See ``mlx_lm_patches/mechanisms/vlm_padding.py``.
 
-Affected
-    mlx-vlm 0.6.15 (first with ``existing_left_padding``) - 0.6.17 (the last 0.6), read in 0.6.17;
-    0.7 strips each row's padding by its mask instead (exact on either side, measured on
-    0.7.10), and 0.5.0 - 0.6.14 are covered by ``mlx-vlm-padded-rows-stripped``.
-
-Upstream
-    https://github.com/Blaizzy/mlx-vlm/blob/v0.6.17/mlx_vlm/generate/ar.py
-    (``_generate_batch``: ``existing_left_padding`` from ``mask.shape[1] - mask.sum(axis=1)``);
-    https://github.com/Blaizzy/mlx-vlm/blob/v0.6.17/mlx_vlm/utils.py (``process_inputs`` passes
-    ``padding_side`` only to a processor whose signature names it).
-
 Retire
     With mlx-vlm 0.6.x (0.7 no longer has ``existing_left_padding``).
 

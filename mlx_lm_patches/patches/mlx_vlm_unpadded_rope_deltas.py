@@ -20,17 +20,6 @@ Fix
     unchanged). Rows that were not stripped, and rows without ``position_ids``, are left as
     they are.
 
-Affected
-    mlx-vlm 0.7.0 (first with ``_unpad_batch_prompts``) - 0.7.10, measured on 0.7.10 (tiny
-    Qwen3.5, Qwen3.5-MoE and Qwen3-VL, prompts of 5/9/13 tokens: the two padded rows wrong
-    from their second token; exact with the fix). The probe has the last word on newer ones.
-
-Upstream
-    https://github.com/Blaizzy/mlx-vlm/blob/v0.7.10/mlx_vlm/generate/ar.py
-    (``_unpad_batch_prompts``, ``_generate_batch``);
-    https://github.com/Blaizzy/mlx-vlm/blob/v0.7.10/mlx_vlm/models/qwen3_5/language.py
-    (``get_rope_index``: ``max_position_ids + 1 - attention_mask.shape[-1]``).
-
 Retire
     When ``_unpad_batch_prompts`` (or the models' ``get_rope_index``) makes the deltas of a
     stripped row the row's own: the probe then reports it not needed.

@@ -1,43 +1,19 @@
 """``--draft-model mtp`` selects the main model's own MTP head as the speculative draft.
 
 Bug
-    mlx-lm can only draft with a separate model: ``mlx_lm.generate --draft-model PATH`` and
-    ``mlx_lm.server --draft-model PATH`` (or a request's ``draft_model``) load PATH with
-    ``load``. A checkpoint's multi-token-prediction head (kept by ``mtp-heads-kept``) cannot be
-    selected without writing code.
+    mlx-lm can only draft with a separate model (``--draft-model PATH``, a request's
+    ``draft_model``): a checkpoint's MTP head (kept by ``mtp-heads-kept``) cannot be selected
+    without writing code, and a distributed server refuses every draft model.
 
 Fix
     Wrap the ``load`` that ``mlx_lm.generate`` and ``mlx_lm.server`` call: the path ``mtp``
     returns the most recently loaded main model's ``make_draft_model()`` and its tokenizer
-    (remembered in the patcher's memo, which ``revert()`` clears)
-    (``mlx_lm.generate --model PATH --draft-model mtp``). Every other path - and a real folder
-    named ``mtp`` in the working directory - loads as before. If no
-    model was loaded yet, or it has no MTP head, the error says so (``model.mtp_status``) and how
-    to get one; ``mlx_lm.generate`` prints it as one line.
-
-    Distributed (``mlx.launch ... mlx_lm.server --draft-model mtp``): the server refuses every
-    draft model in distributed mode (``ModelProvider._load``: "not supported in distributed
-    mode", 0.31.3 and later), because a separate draft would be loaded whole on every rank,
-    outside ``sharded_load``. The model's own head is different: it is loaded by
-    ``sharded_load`` with the model, and reads only what every rank has after the backbone (the
-    final hidden state: all-summed under tensor parallelism, all-gathered at the end of a
-    pipeline). So for ``mtp`` alone the wrapper loads the model as stock does, takes its head as
-    the draft, and checks that every rank has one (one collective; a head missing on any rank
-    fails the load on every rank, naming the ranks) - a draft on one rank only would
-    desynchronize the collectives. Under tensor parallelism the head's layers are split by the
-    family's own ``Model.shard`` (``mtp-heads-kept``, ``mechanisms/mtp/sharding.py``); under
-    pipeline parallelism every rank runs all of it; ``model.mtp_status`` says which. Its logits
-    are gathered like the model's where the output projection is vocabulary-sharded. Servers
-    before 0.31.3 load a draft with ``load`` after ``sharded_load``: there ``mtp`` is the head
-    of the model ``sharded_load`` loaded last, with the same agreement.
-
-Affected
-    Every supported release (0.28.4 - 0.32.2); the probe decides on newer ones.
-
-Upstream
-    https://github.com/ml-explore/mlx-lm/blob/v0.32.2/mlx_lm/generate.py (``main``: ``load(args.draft_model)``);
-    https://github.com/ml-explore/mlx-lm/blob/v0.32.2/mlx_lm/server.py (``ModelProvider._load``);
-    https://github.com/ml-explore/mlx-lm/pull/990 (MTP support, open).
+    (remembered in the patcher's memo); every other path, and a real folder named ``mtp``, loads
+    as before; without a loaded model with a head the error says why (``model.mtp_status``).
+    Distributed (``mlx.launch ... --draft-model mtp``): the head is loaded by ``sharded_load``
+    with the model and reads only what every rank has, so for ``mtp`` alone the model is loaded
+    as stock does and every rank must have a head (one collective; else the load fails on every
+    rank). Details: docs/mtp.md, docs/distributed.md.
 
 Retire
     When mlx-lm selects MTP drafting itself in every supported release.

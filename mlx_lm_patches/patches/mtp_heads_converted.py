@@ -2,41 +2,19 @@
 ``mtp-heads-kept`` attached at load, quantized as mlx-lm quantizes the backbone's layers.
 
 Bug
-    The MTP head of Qwen3-Next, Qwen3.5/3.6 and Nemotron-H checkpoints is kept at load
-    (``model.mtp``) outside the model's parameter tree, and mlx-lm saves the parameter tree
-    only: ``mlx_lm.convert --hf-path <HF checkpoint> [-q]`` (and ``mlx_lm.fuse``,
-    ``mlx_lm.utils.save_model``) writes a checkpoint without the head, and
-    ``--draft-model mtp`` then has nothing to draft with. Putting the head's ``mtp.*`` tensors
-    into the weight files instead would break stock mlx-lm: its qwen3_next ``sanitize`` rejects
-    MLX-format ``mtp.*`` keys (``Received N parameters not in model``).
+    The kept head (``model.mtp``) lies outside the parameter tree, and mlx-lm saves the tree
+    only: ``mlx_lm.convert [-q]``, ``mlx_lm.fuse`` and ``save_model`` write a checkpoint without
+    it, and ``--draft-model mtp`` has nothing to draft with. Writing ``mtp.*`` tensors into the
+    weight files would break stock mlx-lm (qwen3_next rejects MLX-format ``mtp.*`` keys).
 
 Fix
-    Wrap ``mlx_lm.convert.convert``: while it runs, the ``load`` it calls puts the attached head
-    into the parameter tree (as ``mtp``), so mlx-lm's own code casts it to the requested dtype,
-    quantizes it (``quantize_model`` with the given bits, group size, mode, the family's
-    ``quant_predicate`` or the user's, per-layer entries recorded in ``config["quantization"]``
-    under ``mtp.<path>``) and dequantizes it exactly as it does the backbone. For the mixed
-    recipes (``--quant-predicate mixed_3_6`` ...) the recipe is built on the backbone alone and
-    sees head layer ``i`` as backbone layer ``num_hidden_layers + i`` (its path's layer index;
-    the head's other layers as layer ``num_hidden_layers``); a family whose own
-    ``quant_predicate`` looks layers up by index (Ling 3.0) sees the head's layer as the
-    backbone's last layer of its kind. ``mlx_lm.fuse`` likewise: the head,
-    which LoRA never adapts, joins the tree after its ``load``, so ``--dequantize`` dequantizes
-    it with the backbone. Wrap ``mlx_lm.utils.save_model``
-    (which ``save``, and so ``convert`` and ``fuse``, call): the head leaves the tree before
-    stock writes the shards and goes to an ``mtp.safetensors`` sidecar in mlx-lm's layout -
-    outside the ``model*.safetensors`` glob of every release's ``load_model`` and not in the
-    weight index, so stock mlx-lm loads and runs the folder unchanged. ``mtp-heads-kept`` reads
-    the sidecar back (``model.mtp_status`` names it as the head's source). A head declared but
-    not kept at load makes ``convert`` warn with the reason (it cannot be written).
-
-Affected
-    Every supported release (0.28.4 - 0.32.2); the probe decides on newer ones.
-
-Upstream
-    https://github.com/ml-explore/mlx-lm/blob/v0.32.2/mlx_lm/convert.py (``convert``);
-    https://github.com/ml-explore/mlx-lm/blob/v0.32.2/mlx_lm/utils.py (``save_model``);
-    https://github.com/ml-explore/mlx-lm/pull/990 (MTP support, open).
+    While ``convert`` (or ``fuse``) runs, its ``load`` puts the head into the tree (as ``mtp``),
+    so mlx-lm's own code casts, quantizes (bits, group size, mode, predicates; per-layer entries
+    under ``mtp.<path>``) and dequantizes it as it does the backbone; mixed recipes see head
+    layer ``i`` as backbone layer ``num_hidden_layers + i``. ``save_model`` takes the head out of
+    the tree before the shards are written and writes it to an ``mtp.safetensors`` sidecar,
+    outside every release's weight glob and index, so stock mlx-lm loads the folder unchanged;
+    ``mtp-heads-kept`` reads it back. A head declared but not kept makes ``convert`` warn.
 
 Retire
     With ``mtp-heads-kept``: when mlx-lm keeps (and so saves) MTP heads itself in every

@@ -1,58 +1,25 @@
 """Checkpoints with multi-token-prediction (MTP) tensors load, with the backbone intact and the
-MTP head kept (Qwen3-Next, Qwen3.5/3.6 dense and MoE, Nemotron-H; DeepSeek-V3, DeepSeek-V3.2,
-GLM-4.5/4.6/4.7, GLM-4.7-Flash and GLM-5, whose head is the layer after the backbone's last; MiMo's
-``mtp_layers``; ERNIE 4.5 MoE's ``mtp_block``; K-EXAONE's ``mtp.*``; MiMo-V2-Flash's
-``model.mtp.layers.*`` and Step-3.5-Flash's layers past the backbone's (every MTP layer, one per draft step); Ling 3.0's layer past the backbone's; LongCat-Flash's and
-LongCat-Flash-Lite's ``model.mtp``).
+MTP head kept as ``model.mtp`` (the families of ``mechanisms/mtp/families.py``: Qwen3-Next,
+Qwen3.5/3.6, Nemotron-H, the DeepSeek-V3 layout, MiMo, ERNIE 4.5 MoE, K-EXAONE, MiMo-V2-Flash,
+Step-3.5-Flash, Ling 3.0, LongCat-Flash and LongCat-Flash-Lite).
 
 Bug
-    mlx-lm has no module for the MTP head that Qwen3-Next, Qwen3.5/3.6 and Nemotron-H
-    (Nemotron 3 Super) checkpoints carry, and
-    its ``sanitize`` methods handle the ``mtp.*`` tensors badly (docs/archive/2026-11-research/mtp.md, measured):
-    * qwen3_next, MLX-format weights (every release): ``sanitize`` returns before its ``mtp.``
-      filter, so loading fails: ``Received N parameters not in model``.
-    * qwen3_5 / qwen3_5_moe 0.30.7 - 0.31.3: the presence of ``mtp.*`` keys makes ``sanitize``
-      treat MLX-format weights as HF ones and add 1.0 to every backbone norm weight - a
-      silently corrupted model. (For HF-layout weights that same signal is right: they keep it.)
-    * nemotron_h <= 0.31.1: no filter at all, the load fails like qwen3_next.
-    * deepseek_v3 (every release): ``sanitize`` drops ``model.layers.61`` - DeepSeek-V3's own
-      depth - so a checkpoint of the architecture with another depth that ships its MTP layer
-      fails the same way (deepseek_v32 too up to 0.30.6; later releases drop every layer past
-      the backbone's, and glm_moe_dsa - GLM-5, deepseek_v32's model - with it); glm4_moe and
-      glm4_moe_lite drop the layer, mimo its ``mtp_layers``,
-      ernie4_5_moe its ``mtp_*`` tensors, exaone_moe its ``mtp.*`` ones,
-      mimo_v2_flash, longcat_flash and longcat_flash_ngram their ``model.mtp.*`` ones, step3p5 and bailing_moe_v3
-      their layers past the backbone's.
-    * everywhere else the head is dropped without a word; an ``mtp.safetensors`` sidecar is
-      never read.
+    mlx-lm has no module for the MTP head, and its ``sanitize`` methods handle the MTP tensors
+    badly: loads fail with ``Received N parameters not in model`` (qwen3_next MLX weights,
+    nemotron_h on older releases, deepseek_v3 and older deepseek_v32 at any depth but 61),
+    qwen3_5 on some releases takes MLX weights for HF ones and adds 1.0 to every backbone norm
+    (a silently corrupted model), and everywhere else the head is dropped without a word; an
+    ``mtp.safetensors`` sidecar is never read. Details: docs/mtp.md.
 
 Fix
-    Wrap each family's ``Model.sanitize`` so the ``mtp.`` tensors are set aside before the stock
-    code sees them (that alone removes the crash and the corruption; for Qwen3.5 weights in HF
-    layout one ``mtp.`` tensor still goes along, so stock's "HF checkpoint: shift the norms"
-    decision - which it bases on them - stays its own; for the DeepSeek-V3 layout the layers
-    past ``num_hidden_layers`` are set aside and run through the release's own ``sanitize``
-    under an index it processes, so the head's experts, latent attention and fp8 weights are
-    converted exactly as the backbone's), and wrap
-    ``mlx_lm.utils.load_model`` - the function every load path goes through - to build the head
-    from the family's own blocks (``mtp_families``), convert the tensors to mlx-lm's layout (per
-    tensor: key prefixes, per-expert/fused/stacked experts, zero-centred or shifted Qwen norms),
-    quantize exactly the layers stored quantized (per-layer entries of ``config["quantization"]``
-    first, else the stored shapes), and load it strictly. The head is attached as ``model.mtp``
-    outside the parameter tree (``revert()`` takes the decoding interface and its class swap off
-    the models loaded meanwhile; the head itself stays, as loaded data); ``model.mtp_status`` says
-    what happened (kept, no head, declared
-    but missing, which tensors are missing, what this mlx-lm cannot build - e.g. a Nemotron-H
-    MoE block before 0.30.0 - or not kept for this family).
-
-Affected
-    Every supported release (0.28.4 - 0.32.2); the probe decides on newer ones.
-
-Upstream
-    https://github.com/ml-explore/mlx-lm/blob/v0.32.2/mlx_lm/models/qwen3_next.py (``sanitize``);
-    https://github.com/ml-explore/mlx-lm/blob/v0.31.3/mlx_lm/models/qwen3_5.py (norm shift);
-    https://github.com/ml-explore/mlx-lm/blob/v0.32.2/mlx_lm/models/deepseek_v3.py (``layers.61``);
-    https://github.com/ml-explore/mlx-lm/pull/990 (MTP support, open).
+    Wrap each family's ``Model.sanitize`` so the MTP tensors are set aside before the stock code
+    sees them (that alone removes the crash and the corruption; the DeepSeek-V3 layout's head
+    layers go through the release's own ``sanitize`` under an index it processes, so they are
+    converted as the backbone's), and wrap ``mlx_lm.utils.load_model`` (every load path) to build
+    the head from the family's own blocks (``mechanisms/mtp/``), convert the tensors to mlx-lm's
+    layout, quantize exactly the layers stored quantized and load it strictly, outside the
+    parameter tree. ``model.mtp_status`` says what happened; ``revert()`` takes the decoding
+    interface off the models loaded meanwhile (the head stays, as loaded data).
 
 Retire
     When mlx-lm keeps MTP heads itself in every supported release.

@@ -22,13 +22,6 @@ Fix
     an empty cache. A file without recorded tokens (saved without the package) is refused at
     the first ``next()``, before any token, with a ``ValueError`` saying to re-create it.
 
-Affected
-    Every supported release (0.28.4 - 0.32.2); the probe decides on newer ones.
-
-Upstream
-    https://github.com/ml-explore/mlx-lm/blob/v0.32.2/mlx_lm/cache_prompt.py;
-    https://github.com/ml-explore/mlx-lm/blob/v0.32.2/mlx_lm/generate.py (``main``).
-
 Retire
     When ``mlx_lm.generate`` builds the draft's cache for a prompt-cache file itself.
 """
@@ -36,6 +29,7 @@ Retire
 import json
 import threading
 import weakref
+from functools import partial
 
 from mlx_lm_patches.engine.contract import Outcome
 from mlx_lm_patches.mechanisms.calls import bind_arguments
@@ -45,8 +39,9 @@ CACHE = "mlx_lm.models.cache"
 TOKENS_KEY = "mlx_lm_patches_tokens"  # no dot: load_prompt_cache unflattens dotted keys
 
 _lock = threading.Lock()
-_prefilled = weakref.WeakKeyDictionary()  # first cache of a list generate_step filled -> prompt
-_loaded = {"cache": None, "tokens": None}  # the last prompt-cache file mlx_lm.generate loaded
+# in the patcher's memo (revert clears it, status lists it), not module globals:
+PREFILLED = "prompts of the prompt caches generate_step filled"  # first cache of a list -> prompt (weakly)
+LOADED = "the last prompt-cache file mlx_lm.generate loaded"  # (cache, tokens)
 
 NO_TOKENS = (
     "--prompt-cache-file with --draft-model: the prompt cache file does not record its tokens "
@@ -55,7 +50,7 @@ NO_TOKENS = (
 )
 
 
-def _record_prompt(wrapped, instance, args, kwargs):
+def _record_prompt(memo, wrapped, instance, args, kwargs):
     """``generate_step`` with a ``prompt_cache`` (what ``mlx_lm.cache_prompt`` runs, on a fresh
     cache): remember the prompt with the cache it fills (weakly: nothing is kept alive). A cache
     that held tokens before holds more than the prompt: the rebuild refuses it (count check)."""
@@ -64,18 +59,18 @@ def _record_prompt(wrapped, instance, args, kwargs):
     if cache:
         try:
             with _lock:
-                _prefilled[cache[0]] = bound["prompt"]
+                memo.setdefault(PREFILLED, weakref.WeakKeyDictionary())[cache[0]] = bound["prompt"]
         except TypeError:
             pass
     return wrapped(*args, **kwargs)
 
 
-def _save_with_tokens(wrapped, instance, args, kwargs):
+def _save_with_tokens(memo, wrapped, instance, args, kwargs):
     bound = bind_arguments(wrapped, args, kwargs)
     cache = bound.arguments["cache"]
     try:
         with _lock:
-            prompt = _prefilled.get(cache[0]) if cache else None
+            prompt = memo.get(PREFILLED, {}).get(cache[0]) if cache else None
     except TypeError:
         prompt = None
     if prompt is not None:
@@ -85,14 +80,13 @@ def _save_with_tokens(wrapped, instance, args, kwargs):
     return wrapped(*bound.args, **bound.kwargs)
 
 
-def _remember_loaded(wrapped, instance, args, kwargs):
+def _remember_loaded(memo, wrapped, instance, args, kwargs):
     result = wrapped(*args, **kwargs)
     if isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], dict):
         cache, metadata = result
         tokens = metadata.get(TOKENS_KEY)
         with _lock:
-            _loaded["cache"] = cache
-            _loaded["tokens"] = json.loads(tokens) if tokens else None
+            memo[LOADED] = (cache, json.loads(tokens) if tokens else None)
     return result
 
 
@@ -128,14 +122,14 @@ def _refused(exc):
     yield  # a generator: the refusal comes from the first next()
 
 
-def _speculative(wrapped, instance, args, kwargs):
+def _speculative(memo, wrapped, instance, args, kwargs):
     from mlx_lm_patches.mechanisms.speculative import cache_count
 
     bound = bind_arguments(wrapped, args, kwargs)
     arguments = bound.arguments
     cache = arguments.get("prompt_cache")
     with _lock:
-        loaded, tokens = _loaded["cache"], _loaded["tokens"]
+        loaded, tokens = memo.get(LOADED, (None, None))
     if cache is None or cache is not loaded or arguments.get("draft_model") is None:
         return wrapped(*args, **kwargs)
     if len(cache) != cache_count(arguments["model"]):
@@ -163,11 +157,12 @@ def probe():
 
 
 def apply(p):
-    p.wrap(f"{GENERATE}:speculative_generate_step", _speculative)
-    p.wrap(f"{GENERATE}:load_prompt_cache", _remember_loaded)
-    p.wrap(f"{GENERATE}:generate_step", _record_prompt)
-    p.wrap(f"{CACHE}:save_prompt_cache", _save_with_tokens)
-    p.wrap_if_present("mlx_lm.cache_prompt:save_prompt_cache", _save_with_tokens)
+    memo = p.memo
+    p.wrap(f"{GENERATE}:speculative_generate_step", partial(_speculative, memo))
+    p.wrap(f"{GENERATE}:load_prompt_cache", partial(_remember_loaded, memo))
+    p.wrap(f"{GENERATE}:generate_step", partial(_record_prompt, memo))
+    p.wrap(f"{CACHE}:save_prompt_cache", partial(_save_with_tokens, memo))
+    p.wrap_if_present("mlx_lm.cache_prompt:save_prompt_cache", partial(_save_with_tokens, memo))
 
 
 def scenario():

@@ -13,14 +13,6 @@ Fix
     which is what 0.30.5 does per instance in ``__new__``. Instance values set by ``__init__``
     or batching methods shadow them as before; nothing else changes.
 
-Affected
-    mlx-lm 0.30.4 only (0.30.5 added ``ArraysCache.__new__``).
-
-Upstream
-    https://github.com/ml-explore/mlx-lm/blob/v0.30.4/mlx_lm/models/cache.py (``from_state``,
-    ``ArraysCache.make_mask``); fixed by https://github.com/ml-explore/mlx-lm/blob/v0.30.5/mlx_lm/models/cache.py
-    (``ArraysCache.__new__``).
-
 Retire
     When 0.30.4 drops out of the supported range.
 

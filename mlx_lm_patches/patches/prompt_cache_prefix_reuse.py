@@ -1,64 +1,37 @@
 """Hybrid prompt caches are reused up to an exact state at or before where a request diverges.
 
 Bug
-    ``LRUPromptCache`` (``mlx_lm.server``; in ``server.py`` up to 0.31.1, ``models/cache.py``
-    from 0.31.2) reuses a stored prompt that is longer than the new request by trimming a copy of
-    it back to the common prefix - only for trimmable caches. ``ArraysCache`` (the recurrent
-    state of GatedDeltaNet, Mamba, short-conv ... layers) holds only the state after *all* its
-    tokens and cannot be trimmed, so for hybrid models a request that diverges inside a stored
-    prompt (another question about the same document, an edited last message, a regenerated
-    turn) is a complete miss: the whole prompt is prefilled again. Only exact or shorter stored
-    prompts hit. Making ``ArraysCache`` "trimmable" by resetting its state (mlx-lm PR #1254) is
-    wrong twice: the reset changes every later token, and a trimmable cache makes
-    ``insert_cache`` delete the shorter stored prompts hybrids rely on today.
+    ``LRUPromptCache`` (``mlx_lm.server``) reuses a longer stored prompt by trimming a copy back
+    to the common prefix, for trimmable caches only. ``ArraysCache`` holds only the state after
+    all its tokens, so for hybrid models a request that diverges inside a stored prompt (another
+    question about the same document, an edited last message) is a complete miss. Making it
+    "trimmable" by a reset (mlx-lm PR #1254) changes every later token and makes
+    ``insert_cache`` evict the shorter entries hybrids rely on.
 
 Fix
-    Keep exact recurrent states at positions of the prefill and reuse only those
-    (``mlx_lm_patches/mechanisms/prefix_reuse/``). States are kept where they are produced:
-    ``Model.__call__`` of every mlx-lm family with recurrent layers keeps, after each forward of
-    one sequence into a cache list whose history is known, the recurrent states at its end, by
-    reference, bounded per sequence (default 8, thinned so that a kept state lies within a
-    factor of two of any position) - whoever calls the model (``generate_step``,
-    ``speculative_generate_step`` for main and draft model, ``BatchGenerator``, an engine's own
-    prefill loop). Decode steps only append their token array, unread: one call into the
-    package per decoded token, constant in length. While an
-    ``LRUPromptCache`` exists in the process (or ``MLX_LM_PATCHES_PREFIX_CHECKPOINTS`` is set),
-    the prefill of ``generate_step`` and ``speculative_generate_step`` is also cut at powers of
-    two, and ``BatchGenerator`` prefills hybrid rows one at a time. The kept states travel with
-    the caches through mlx-lm's own merge/extend/filter/extract/deepcopy and are stored with the
-    entry by ``insert_cache`` (only those computed from a prefix of the entry's tokens; their
-    bytes count in ``ArraysCache.nbytes`` and so in the LRU's byte limit).
-    ``fetch_nearest_cache`` first asks mlx-lm's own search what it would reuse; if a stored
-    entry holds a kept state further along the new request (checked token by token, at most
-    ``len(tokens) - 1``), it returns a copy of that entry with its recurrent caches set to that
-    state and its attention caches cut to the same position, and the rest of the request to
-    prefill. ``ArraysCache`` stays untrimmable, so mlx-lm never trims a hybrid cache and never
-    evicts shorter entries as redundant. Nothing is approximated: a state that cannot be
-    restored exactly is not used - nor one whose request would then attend to quantized KV
-    caches where a cold prefill attends to exact ones (``kv_bits``, ``mlx_lm.server
-    --kv-bits``): entries holding a ``QuantizedKVCache``, and requests long enough to be
-    quantized during their prefill once the process quantizes, are prefilled cold.
-
-Affected
-    Every supported release (0.28.4 - 0.32.2); the probe decides on newer ones.
-
-Upstream
-    https://github.com/ml-explore/mlx-lm/blob/v0.32.2/mlx_lm/models/cache.py (``LRUPromptCache``);
-    https://github.com/ml-explore/mlx-lm/blob/v0.31.1/mlx_lm/server.py (``LRUPromptCache``);
-    https://github.com/ml-explore/mlx-lm/pull/1254 (reset on trim: inexact).
+    ``Model.__call__`` of every family with recurrent layers keeps the recurrent states at the
+    end of each pass of one sequence whose history is known, by reference and bounded per
+    sequence (``MLX_LM_PATCHES_PREFIX_CHECKPOINTS``, default 8); decode steps only append their
+    token (one call into the package per token). While a prompt-cache store exists, prefills are
+    also cut at powers of two and ``BatchGenerator`` prefills hybrid rows alone. Kept states
+    travel with the caches and are stored by ``insert_cache`` (counted in ``nbytes``);
+    ``fetch_nearest_cache`` restores one further along the request than mlx-lm's own search
+    reaches (checked token by token; attention caches cut to the same position). Nothing is
+    approximated: entries or requests whose KV caches are quantized are prefilled cold.
+    Details: docs/prefix-reuse.md.
 
 Retire
     When mlx-lm keeps or can recompute exact recurrent states at earlier positions itself.
 
 Metal
-    Prefill passes are cut at extra positions (powers of two); outputs are the model's own
-    forward. On CPU chunking is bit-exact; on GPU, prefill kernels over different chunk
-    boundaries may differ in the last bits, as for any prompt-cache reuse of dense models.
+    Prefill passes are cut at extra positions; on GPU, kernels over different chunk boundaries
+    may differ in the last bits, as for any prompt-cache reuse of dense models.
 """
 
 import logging
 import sys
 from collections import deque
+from functools import partial
 
 from mlx_lm_patches.engine.contract import Outcome
 
@@ -71,32 +44,32 @@ SERVER = "mlx_lm.server"
 
 # -- keeping states while prefilling ----------------------------------------------------------
 
-def _prefill_cut(wrapped, instance, args, kwargs):
+def _prefill_cut(memo, wrapped, instance, args, kwargs):
     """``generate_step``: while a prompt-cache store exists, the prefill is cut at powers of
     two. Its multi-token passes are all prefill, so the passes run while its generator runs
     are cut, and the generator itself is returned (decoding pays nothing here)."""
     from mlx_lm_patches.mechanisms import prefix_reuse as pc
 
-    _note_quantization(wrapped, kwargs)
+    _note_quantization(memo, kwargs)
     steps = wrapped(*args, **kwargs)
-    if not pc.capturing() or pc.arm(steps):
+    if not pc.capturing(memo) or pc.arm(steps):
         return steps
     return _cut_until_first(steps)
 
 
-def _speculative_prefill_cut(wrapped, instance, args, kwargs):
+def _speculative_prefill_cut(memo, wrapped, instance, args, kwargs):
     """``speculative_generate_step``: while a prompt-cache store exists, the prefill (everything
     before the first token comes out) is cut at powers of two; its verification passes are not."""
     from mlx_lm_patches.mechanisms import prefix_reuse as pc
 
-    _note_quantization(wrapped, kwargs)
+    _note_quantization(memo, kwargs)
     steps = wrapped(*args, **kwargs)
-    if not pc.capturing():
+    if not pc.capturing(memo):
         return steps
     return _cut_until_first(steps)
 
 
-def _note_quantization(function, kwargs):
+def _note_quantization(memo, kwargs):
     """A generation asked to quantize its KV caches (``kv_bits``, keyword-only): restores of
     hybrid prompts whose prefill would quantize are declined from then on (see ``_fetch``)."""
     from mlx_lm_patches.mechanisms import prefix_reuse as pc
@@ -105,7 +78,7 @@ def _note_quantization(function, kwargs):
         start = kwargs.get("quantized_kv_start")
         if start is None:
             start = getattr(sys.modules[GENERATE], "DEFAULT_QUANTIZED_KV_START", 0)
-        pc.note_kv_quantization(kwargs["kv_bits"], start)
+        pc.note_kv_quantization(memo, kwargs["kv_bits"], start)
 
 
 def _cut_until_first(steps):
@@ -138,14 +111,14 @@ def _row_history(row, history):
     return tuple(history)
 
 
-def _prompt(wrapped, instance, args, kwargs):
+def _prompt(memo, wrapped, instance, args, kwargs):
     """>= 0.31.2: prefill hybrid rows alone (cut at powers of two), each from its known history."""
     from mlx_lm_patches.mechanisms import prefix_reuse as pc
     from mlx_lm_patches.mechanisms.caches import has_recurrent_state
-    from mlx_lm_patches.patches.batch_prefill_per_row import prefill_rows_alone
+    from mlx_lm_patches.mechanisms.row_prefill import prefill_rows_alone
 
     tokens = args[0] if args else kwargs.get("tokens")
-    if not (tokens and pc.capturing() and len(tokens) == len(instance.uids)
+    if not (tokens and pc.capturing(memo) and len(tokens) == len(instance.uids)
             and has_recurrent_state(instance.prompt_cache)):
         return wrapped(*args, **kwargs)
     batch_caches = instance.prompt_cache
@@ -163,14 +136,14 @@ def _prompt(wrapped, instance, args, kwargs):
         return wrapped(*args, **kwargs)
 
 
-def _process_prompts(wrapped, instance, args, kwargs):
+def _process_prompts(memo, wrapped, instance, args, kwargs):
     """<= 0.31.1: each prompt is processed on its own (a batch of one), cut at powers of two,
     from the known history of its cache."""
     from mlx_lm_patches.mechanisms import prefix_reuse as pc
     from mlx_lm_patches.mechanisms.caches import has_recurrent_state
 
     prompts = list(args[0] if args else kwargs["prompts"])
-    if not (pc.capturing() and prompts and has_recurrent_state(prompts[0][3])):
+    if not (pc.capturing(memo) and prompts and has_recurrent_state(prompts[0][3])):
         return wrapped(*args, **kwargs)
     batch = None
     try:
@@ -193,10 +166,10 @@ def _process_prompts(wrapped, instance, args, kwargs):
 # -- the prompt-cache store -------------------------------------------------------------------
 
 
-def _lru_init(wrapped, instance, args, kwargs):
+def _lru_init(memo, wrapped, instance, args, kwargs):
     from mlx_lm_patches.mechanisms import prefix_reuse as pc
 
-    pc.note_prompt_cache_created()
+    pc.note_prompt_cache_created(memo)
     return wrapped(*args, **kwargs)
 
 
@@ -223,7 +196,7 @@ def _stock_reuse(lru, model, tokens) -> int:
     return len(result.shorter) if result.shorter is not None else 0
 
 
-def _fetch(wrapped, instance, args, kwargs):
+def _fetch(memo, wrapped, instance, args, kwargs):
     from mlx_lm_patches.mechanisms import prefix_reuse as pc
     from mlx_lm_patches.mechanisms.caches import has_recurrent_state
     from mlx_lm_patches.mechanisms.calls import bind_arguments
@@ -231,7 +204,7 @@ def _fetch(wrapped, instance, args, kwargs):
     bound = bind_arguments(wrapped, args, kwargs)
     model, tokens = bound.arguments["model"], bound.arguments["tokens"]
     entries = [(key, cache) for key, cache in _entries(instance, model) if has_recurrent_state(cache)]
-    if entries and pc.quantized_prefill(len(tokens)):
+    if entries and pc.quantized_prefill(memo, len(tokens)):
         log.debug("mlx-lm-patches: prompt cache: no kept state reused (KV caches quantized: not exact)")
     elif entries:
         found = pc.best_restore(entries, tokens, better_than=_stock_reuse(instance, model, tokens))
@@ -293,8 +266,9 @@ def apply(p):
     if isinstance(current_nbytes, property):
         p.set(f"{CACHE}:ArraysCache.nbytes", property_over(current_nbytes, _plus_checkpoints))
     store = CACHE if hasattr(cache_module, "LRUPromptCache") else SERVER
-    p.wrap(f"{store}:LRUPromptCache.__init__", _lru_init)
-    p.wrap(f"{store}:LRUPromptCache.fetch_nearest_cache", _fetch)
+    memo = p.memo  # what the process has seen: not a module global (revert clears it, status lists it)
+    p.wrap(f"{store}:LRUPromptCache.__init__", partial(_lru_init, memo))
+    p.wrap(f"{store}:LRUPromptCache.fetch_nearest_cache", partial(_fetch, memo))
     p.wrap(f"{store}:LRUPromptCache.insert_cache", _insert)
     from mlx_lm_patches.mechanisms.prefix_reuse import recorded_forward
 
@@ -302,12 +276,12 @@ def apply(p):
     for target in p.declared:
         if target.endswith(":Model.__call__"):
             p.wrap(target, recorded_forward)
-    p.wrap(f"{GENERATE}:generate_step", _prefill_cut)
-    p.wrap(f"{GENERATE}:speculative_generate_step", _speculative_prefill_cut)
+    p.wrap(f"{GENERATE}:generate_step", partial(_prefill_cut, memo))
+    p.wrap(f"{GENERATE}:speculative_generate_step", partial(_speculative_prefill_cut, memo))
     if hasattr(p.module(GENERATE), "PromptProcessingBatch"):
-        p.wrap(f"{GENERATE}:PromptProcessingBatch.prompt", _prompt)
+        p.wrap(f"{GENERATE}:PromptProcessingBatch.prompt", partial(_prompt, memo))
     else:
-        p.wrap(f"{GENERATE}:BatchGenerator._process_prompts", _process_prompts)
+        p.wrap(f"{GENERATE}:BatchGenerator._process_prompts", partial(_process_prompts, memo))
 
 
 def scenario():

@@ -1,63 +1,31 @@
 """Speculative decoding with hybrid models: recurrent caches go back exactly, or refuse.
 
 Bug
-    ``ArraysCache`` (the recurrent state of gated-delta, Mamba, short-conv, RG-LRU, RWKV ... layers)
-    has no ``trim``: its state after a multi-token pass cannot be taken back. mlx-lm's speculative
-    loop trims the main model's cache after every rejected draft token.
-    * <= 0.31.1: nothing checks, ``trim_prompt_cache`` returns 0 and the loop ignores it: the
-      recurrent state keeps the rejected tokens and every hybrid speculation with a draft that
-      ever disagrees is silently wrong (with ``stream_generate(draft_model=...)`` and
-      ``mlx_lm.generate --draft-model`` too).
-    * >= 0.31.2: refused: ``ValueError: Speculative decoding requires a trimmable prompt cache``.
-    The published fix (PR #1254) resets the state to zero on trim: every later token changes.
-    A sliding-window layer's ``RotatingKVCache`` is the same once the context passes its window:
-    it overwrites its oldest keys in place and is no longer trimmable, but the gate of >= 0.31.2
-    looks before the prompt is in (an empty window is trimmable), and ``trim_prompt_cache``
-    then trims nothing: speculation with any model that has sliding-window layers (K-EXAONE,
-    MiMo-V2-Flash, Step-3.5, Gemma-style, RecurrentGemma, Baichuan-M1, ...) is silently wrong
-    past the window, in every release; with an MTP head too.
+    ``ArraysCache`` (gated-delta, Mamba, short-conv, RG-LRU, RWKV ... states) has no ``trim``,
+    but mlx-lm's speculative loop trims the main model's cache after every rejected draft
+    token: the state keeps the rejected tokens (silently wrong), or newer releases refuse
+    ("requires a trimmable prompt cache"). A full sliding window (``RotatingKVCache``) cannot
+    go back either, and the loop trims nothing there: K-EXAONE, MiMo-V2-Flash, Step-3.5,
+    Gemma-style, RecurrentGemma, Baichuan-M1 ... speculate wrongly past the window. Resetting
+    the state on trim (mlx-lm PR #1254) changes every later token.
 
 Fix
-    Inside ``speculative_generate_step`` only, each model that has recurrent caches or sliding
-    windows runs through a :class:`~mlx_lm_patches.mechanisms.journal.Journal`: before each
-    forward pass the recurrent states are kept by reference (and each window's keys, values and
-    positions as views the window's in-place writes do not reach), and a trim restores the
-    newest kept state at or before the target,
-    trims the attention caches to the same position and re-runs the accepted tokens through the
-    model's own forward (what a cold prefill computes). Draft passes are one token long, so draft
-    trims only restore. While the journal is attached, ``ArraysCache.is_trimmable()`` is true
-    (the >= 0.31.2 gate passes), ``ArraysCache.nbytes`` includes the kept states, and
-    ``trim_prompt_cache`` on its cache list goes through the journal: all layers move together or
-    none does, and a trim it cannot do exactly raises ``RollbackRefused`` rather than being
-    ignored. Outside that (a bare ``ArraysCache``, caches after the generator ends) nothing is
-    trimmable, as in stock mlx-lm: never a reset. A model with sliding windows and no recurrent
-    state trims its caches in place, as stock does, while no window has overwritten a key yet;
-    after that (``RotatingKVCache.is_trimmable()`` is true while journaled) by restore and replay. The loop itself stays mlx-lm's. Kept states
-    are bounded by ``num_draft_tokens + 1`` tokens and ``MLX_LM_PATCHES_ROLLBACK_SNAPSHOTS``:
-    a main model with kept caches drafts at most ``snapshots - 2`` tokens per round (a larger
-    ``num_draft_tokens`` is capped before the first token, with one warning per process and
-    setting: never a refusal in the middle of a generation); a draft's rollback never refuses
-    (it only decides what is proposed): past the bound it restores an older kept state and
-    re-runs more of its tokens, so its proposals stay those of an unbounded journal.
-    Cost: nothing on a fully accepted round; after a rejection the accepted tokens are re-run
-    in front of the next verify pass (a longer pass, no extra model call).
-
-Affected
-    Every supported release (0.28.4 - 0.32.2); the probe decides on newer ones.
-
-Upstream
-    https://github.com/ml-explore/mlx-lm/blob/v0.32.2/mlx_lm/generate.py (``speculative_generate_step``);
-    https://github.com/ml-explore/mlx-lm/pull/1254 (reset on trim: inexact);
-    https://github.com/ml-explore/mlx-lm/pull/1111 (snapshot and replay).
+    Inside ``speculative_generate_step`` only, each model with recurrent caches or sliding
+    windows runs through a journal (``mechanisms/journal.py``): recurrent states (and window
+    views) are kept by reference before each pass; a trim restores the newest kept state at or
+    before the target, trims attention caches to the same position and re-runs the accepted
+    tokens through the model's own forward (fused into the next verify pass). All layers move
+    together or none does (``RollbackRefused``, never a reset). Kept states are bounded
+    (``MLX_LM_PATCHES_ROLLBACK_SNAPSHOTS``): the main model's drafts are capped before the first
+    token, a draft's rollback never refuses. Details: docs/rollback.md.
 
 Retire
     When every supported mlx-lm trims recurrent caches exactly (or refuses) on its own.
 
 Metal
-    The replay is the model's own forward pass, so it runs the same kernels a cold prefill runs
-    (gated-delta and SSM Metal kernels included). On GPU the greedy reference decodes one token
-    at a time (Mamba2 uses ``ssm_update_kernel`` for single tokens) while verify and replay
-    passes process several, so expect ~1e-6 rounding differences there, as for dense models.
+    The replay is the model's own forward (the kernels of a cold prefill). On GPU verify and
+    replay passes run multi-token kernels where the greedy reference decodes one token at a
+    time: expect ~1e-6 rounding differences, as for dense models.
 """
 
 import logging

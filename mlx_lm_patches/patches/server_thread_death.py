@@ -1,43 +1,24 @@
 """``mlx_lm.server`` answers with an error, instead of hanging, once its generation thread died.
 
 Bug
-    ``mlx_lm.server`` serves HTTP from many threads and generates in one thread
-    (``ResponseGenerator._generate``); handlers put a request on a queue and wait, without a
-    timeout, for that thread's answer. Any exception the loop does not catch ends the thread;
-    the HTTP side keeps accepting requests (``/health`` still says ok) and every request in
-    flight and every later one waits forever. Seen here with real inputs:
-
-    * 0.31.3: the model (or draft) is loaded inside that thread, so a model that fails to
-      load - e.g. ``--draft-model mtp`` for a checkpoint whose config declares an MTP head but
-      has no ``mtp.*`` tensors, or a draft folder that does not exist - leaves a server that
-      never answers (older releases load before serving and exit with the error);
-    * 0.28.4 - 0.30.5, batched requests (on 0.28.4: with ``repetition_penalty: 0``): a chat
-      template that raises (``raise_exception('Conversation roles must alternate
-      user/assistant')``, common in Llama, Mistral, Gemma templates) on one bad request hangs
-      that request and every later one (0.30.6 catches it per request);
-    * 0.28.4 with transformers 5: the first chat completion (``chat-template-token-ids``).
+    ``mlx_lm.server`` generates in one thread; HTTP handlers queue a request and wait for its
+    answer without a timeout. An exception the loop does not catch ends the thread, the server
+    keeps accepting requests (``/health`` says ok) and every request hangs forever. Seen with
+    real inputs: a model or draft that fails to load inside that thread (e.g. ``--draft-model
+    mtp`` for a checkpoint without MTP tensors), a chat template that raises on one batched
+    request (``Conversation roles must alternate``), transformers 5's chat templates
+    (``chat-template-token-ids``).
 
 Fix
     Wrap ``ResponseGenerator._generate`` (the thread's target). When it raises, log the
-    exception as the thread would have, hand the error to the requests the dying loop was
-    serving (their reply queues, found in the loop's frames), then keep the thread alive as an
-    error responder: every queued and later request is answered at once with
-    ``RuntimeError("Cannot generate: the mlx_lm.server generation thread stopped on <error>")``
-    (a 404 with that message, as the server does for a request it cannot serve). It ends when
-    the server stops (``stop_and_join``). While the loop runs nothing changes. The server does
-    not recover: it says why it cannot answer until it is restarted.
-
-Affected
-    mlx-lm before 0.32.0 (0.32.0 answers "generation thread died" and ``/health`` says
-    unavailable).
-
-Upstream
-    https://github.com/ml-explore/mlx-lm/issues/1505, https://github.com/ml-explore/mlx-lm/issues/1909,
-    https://github.com/ml-explore/mlx-lm/pull/1514; fixed by ``ResponseGenerator._run_generate``
-    / ``_await_response`` in https://github.com/ml-explore/mlx-lm/blob/v0.32.0/mlx_lm/server.py.
+    exception, hand the error to the requests the dying loop was serving (their reply queues,
+    found in the loop's frames), and keep the thread alive as an error responder: every queued
+    and later request is answered at once with ``RuntimeError("Cannot generate: the
+    mlx_lm.server generation thread stopped on <error>")`` until the server stops. While the loop
+    runs nothing changes; the server does not recover until it is restarted.
 
 Retire
-    When the oldest supported mlx-lm is 0.32.0.
+    When the oldest supported mlx-lm answers requests once its generation thread died.
 
 Metal
     Server control flow only.

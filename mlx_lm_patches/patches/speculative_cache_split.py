@@ -17,13 +17,6 @@ Fix
     ``ValueError`` naming the expected lengths. Models with one cache per layer take the stock
     path untouched.
 
-Affected
-    Every supported release (0.28.4 - 0.32.2); the probe decides on newer ones.
-
-Upstream
-    https://github.com/ml-explore/mlx-lm/blob/v0.32.2/mlx_lm/generate.py
-    (``speculative_generate_step``: ``prompt_cache[: len(model.layers)]``).
-
 Retire
     When mlx-lm splits a supplied prompt cache by cache count in every supported release.
 

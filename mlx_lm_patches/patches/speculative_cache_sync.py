@@ -1,63 +1,29 @@
 """After speculative decoding, a supplied prompt cache holds exactly the prompt and the generated tokens.
 
 Bug
-    ``generate_step`` feeds every token before it yields it, so a supplied ``prompt_cache`` ends
-    holding what it held before, the prompt and every yielded token. ``speculative_generate_step``
-    (``stream_generate(..., draft_model=...)``, ``mlx_lm.generate --draft-model``,
-    ``mlx_lm.server --draft-model``) does not: when it ends (``max_tokens``, or closed by its
-    consumer after a stop token) the main model's caches lack the last yielded token whenever
-    that token was the main model's own (a correction or the bonus token: it is only fed by the
-    next verify pass), and the draft's caches lack one or two tokens (the last accepted draft
-    token, the correction). Measured on a 14-token prompt: main ``len(prompt) + yielded`` or
-    one fewer, draft one or two fewer than that, on 0.28.4, 0.30.7, 0.31.3 and 0.32.2, dense
-    models included. (A generator merely left suspended also holds the verify pass's tokens
-    not yet yielded; mlx-lm's own ``finally`` trims them when it is closed.)
-    ``mlx_lm.server`` serves every request of a server with a draft model through
-    ``stream_generate`` and then stores the cache in its ``LRUPromptCache`` under ``prompt +
-    generated tokens`` (``server.py``: 0.28.4 :784/:792, 0.30.7 :950/:960, 0.31.3 :1006/:1019,
-    0.32.2 :1132/:1145). A follow-up request that extends that conversation (the next chat turn,
-    a continued completion) finds the entry as a prefix and decodes from a cache that misses a
-    token of it: silently wrong output.
+    ``generate_step`` leaves a supplied ``prompt_cache`` holding the prompt and every yielded
+    token; ``speculative_generate_step`` does not: when it ends, the main model's caches lack
+    the last token whenever it was the main model's own (a correction or the bonus token), and
+    the draft's lack one or two (dense models too). ``mlx_lm.server --draft-model`` stores that
+    cache under ``prompt + generated tokens``: a follow-up request extending the conversation
+    decodes from a cache that misses a token of it, silently wrong.
 
 Fix
-    The generator is wrapped when the caller supplied the cache (or a stand-in of another patch
-    of this package carries the caller's caches, whichever order the wrappers stack in). When it
-    ends - exhausted or closed - each part of the cache (``make_prompt_cache(model)``, then the
-    draft's) is measured and moved until it holds exactly what it held before, the prompt and
-    every yielded token (``mlx_lm_patches/mechanisms/cache_sync.py``): missing tokens are fed through the
-    model's own forward in one pass; extra ones are trimmed (attention caches exactly, recurrent
-    caches only through the journal of ``recurrent-rollback`` while it is attached; never a
-    reset). Attention caches are measured by their offset, recurrent ones by that journal's
-    count; every layer must agree. Cost: one forward pass of at most one token for the main
-    model and two for the draft, per generation.
-
-    When the main part cannot be made exact, nothing is claimed: if its position cannot be read
-    (recurrent caches without ``recurrent-rollback``'s journal, a cache type without an offset)
-    the generator raises ``CacheOutOfSync`` before its first token - ``mlx_lm.server`` then
-    answers with an error and stores nothing; if a move fails at the end (not seen with
-    mlx-lm's loop: after its ``finally`` only tokens are missing) ``CacheOutOfSync`` is raised
-    and logged (a generator closed by garbage collection can only log it). The draft's cache
-    only decides which proposals are made, never the output: a draft part that cannot be
-    checked (the MTP draft's own cache, which re-synchronises with the main model on every
-    call) is left as it is, and a failed draft move is logged as a warning.
-
-Affected
-    Every supported release (0.28.4 - 0.32.2); the probe decides on newer ones.
-
-Upstream
-    https://github.com/ml-explore/mlx-lm/blob/v0.32.2/mlx_lm/generate.py (``speculative_generate_step``:
-    ``_rewind_cache`` keeps the caches one verify input behind);
-    https://github.com/ml-explore/mlx-lm/blob/v0.32.2/mlx_lm/server.py (stream path: the cache is
-    stored under ``prompt + generated tokens``).
+    When the generator ends (exhausted or closed) and the caller supplied the cache, each part
+    (the main model's, then the draft's) is measured and moved until it holds exactly the prompt
+    and every yielded token (``mechanisms/cache_sync.py``): missing tokens are fed through the
+    model's own forward in one pass, extra ones trimmed (recurrent caches only through
+    ``recurrent-rollback``'s journal; never a reset). A main part that cannot be measured
+    raises ``CacheOutOfSync`` before the first token (the server answers an error and stores
+    nothing); a draft part only decides proposals, so one that cannot be checked is left alone.
 
 Retire
     When mlx-lm's speculative loop leaves a supplied prompt cache holding every yielded token
     (or the server stores it under the tokens it holds) in every supported release.
 
 Metal
-    The catch-up pass is the model's own forward over one or two tokens: the same kernels a
-    prefill of those tokens runs. On GPU a catch-up pass and single-token decoding may differ in
-    the last bits, as any prompt-cache reuse does.
+    The catch-up pass is the model's own forward over one or two tokens; on GPU it may differ
+    from single-token decoding in the last bits, as any prompt-cache reuse does.
 """
 
 import logging

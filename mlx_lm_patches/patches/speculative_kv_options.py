@@ -1,56 +1,31 @@
 """Speculative decoding with ``max_kv_size`` windows follows the plain path; with ``kv_bits`` it refuses.
 
 Bug
-    A window ``RotatingKVCache(max_size, keep=4)`` (what ``max_kv_size`` builds: for a dense
-    model in mlx-lm, for a hybrid's attention layers with ``hybrid-max-kv-size``) gives a token
-    a different context in a pass of several tokens than in a pass of one: past the window, a
-    single-token step sees the ``keep`` first positions and the last ``max_size - keep``, a
-    longer pass masks by distance (the first positions drop out, one more recent position is
-    in). ``generate_step`` decodes one token per pass, ``speculative_generate_step`` verifies
-    ``num_draft_tokens + 1`` per pass: with the same caches the tokens differ after the
-    sequence passes the window (dense models too, every release).
-    With ``kv_bits`` the plain path converts the cache to ``QuantizedKVCache`` right after the
-    step that passes ``quantized_kv_start``; the speculative loop converts after a verify pass
-    (some of its tokens attended unquantized keys) and may then trim back over the conversion:
-    log-probabilities differ from plain ``kv_bits`` decoding (<= 0.30.5: up to 0.24), and on
-    >= 0.31.2 the converted cache is refused as not trimmable - after tokens were yielded.
+    Past the window, a ``RotatingKVCache(max_size, keep=4)`` (what ``max_kv_size`` builds) gives
+    a token another context in a pass of several tokens (masked by distance) than in a pass of
+    one (the ``keep`` first positions and the last ``max_size - keep``): speculative decoding,
+    which verifies several tokens per pass, gives other tokens than ``generate_step`` with the
+    same caches (dense models too), and ``stream_generate`` drops ``max_kv_size`` when it
+    speculates. With ``kv_bits`` the loop quantizes after a verify pass and may trim back over
+    the conversion: other log-probabilities, or a refusal after tokens were yielded.
 
 Fix
-    Wrap ``speculative_generate_step``. When the main model's caches (a supplied
-    ``prompt_cache``) hold a window with ``keep > 0``, the main model runs behind a stand-in that
-    shapes its passes as ``generate_step``'s: prompt positions in ``generate_step``'s prefill
-    chunks (the ``prefill_step_size`` given, else ``generate_step``'s default, which the loop's
-    own prefill then uses too), and every later position with the context a single-token step
-    gives it - ``RotatingKVCache.make_mask`` returns that mask for the windows of such a pass
-    (``keep`` first positions and the last ``max_size - keep``, itself included). One model
-    call per verify pass as before (two for the first pass where the loop puts the end of the
-    prompt into it). Rollbacks go through the ``recurrent-rollback`` journal, which restores
-    windows. ``stream_generate`` (so ``generate`` and ``mlx_lm.generate --max-kv-size W
-    --draft-model D``) drops ``max_kv_size`` when it speculates: without a ``prompt_cache`` it now
-    hands the loop ``make_prompt_cache(model, W) + make_prompt_cache(draft_model, W)``, the
-    caches ``generate_step`` builds for ``max_kv_size=W``. With ``kv_bits``, where a cache could
-    reach ``quantized_kv_start`` in this generation, the generator raises ``ValueError`` at its
-    first ``next()``, before any token: decode without a draft model, or without ``kv_bits``;
-    below that step nothing converts and the loop runs as stock (exact). Windows with
-    ``keep=0`` (models' own sliding windows) already mask the same in both kinds of pass.
-
-Affected
-    Every supported release (0.28.4 - 0.32.2); the probe decides on newer ones.
-
-Upstream
-    https://github.com/ml-explore/mlx-lm/blob/v0.32.2/mlx_lm/models/cache.py
-    (``RotatingKVCache.make_mask``, ``_update_concat``);
-    https://github.com/ml-explore/mlx-lm/blob/v0.32.2/mlx_lm/generate.py
-    (``speculative_generate_step``, ``maybe_quantize_kv_cache``).
+    When the main model's supplied caches hold a window with ``keep > 0``, the main model runs
+    behind a stand-in that shapes its passes as ``generate_step``'s (its prefill chunks, then
+    each position with the mask a single-token step gives it; one model call per verify pass as
+    before); rollbacks go through ``recurrent-rollback``'s journal. ``stream_generate`` with
+    ``max_kv_size`` hands the loop the caches ``generate_step`` builds for it. With ``kv_bits``,
+    where a cache could reach ``quantized_kv_start`` in this generation, the generator raises
+    ``ValueError`` before its first token. Details: docs/cache-options.md.
 
 Retire
     When mlx-lm's windows mask a multi-token pass as its single-token steps see it, and its
     speculative loop quantizes at the plain path's step (or refuses ``kv_bits``).
 """
 
+import contextvars
 import inspect
 import sys
-import threading
 
 from mlx_lm_patches.engine.contract import Outcome
 from mlx_lm_patches.mechanisms.calls import bind_arguments
@@ -58,7 +33,9 @@ from mlx_lm_patches.mechanisms.calls import bind_arguments
 CACHE = "mlx_lm.models.cache"
 GENERATE = "mlx_lm.generate"
 
-_state = threading.local()  # ids of the windows whose next multi-token mask is a single step's
+# per call, in a context variable (a thread-local would be shared by an asyncio server's tasks):
+_WINDOWS = contextvars.ContextVar("mlx_lm_patches_single_step_windows", default=None)  # ids of the
+# windows whose next multi-token mask is a single step's
 
 KV_BITS_REFUSAL = (
     "speculative decoding with kv_bits is refused: plain decoding quantizes the cache right "
@@ -92,7 +69,7 @@ def single_step_mask(cache, n):
 
 
 def _make_mask(wrapped, instance, args, kwargs):
-    active = getattr(_state, "windows", None)
+    active = _WINDOWS.get()
     if active and id(instance) in active:
         bound = bind_arguments(wrapped, args, kwargs).arguments
         n, window = bound.get("N"), bound.get("window_size")
@@ -146,11 +123,11 @@ class PlainPathModel:
         for start, end, single in self._pieces(first, first + inputs.shape[1]):
             part = inputs[:, start - first:end - first]
             if single:
-                _state.windows = {id(w) for w in self._windows}
+                token = _WINDOWS.set({id(w) for w in self._windows})
                 try:
                     outputs.append(self._model(part, cache=cache))
                 finally:
-                    _state.windows = None
+                    _WINDOWS.reset(token)
             else:
                 outputs.append(self._model(part, cache=cache))
         return outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=1)

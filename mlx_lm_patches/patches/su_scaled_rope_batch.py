@@ -17,14 +17,6 @@ Fix
     into forward passes, so rows of different lengths are prefilled alone
     (``batch-prefill-per-row`` recognises the two-factor class); decoding stays batched.
 
-Affected
-    mlx-lm 0.29.0 - 0.30.0 (introduced by PR 660, fixed in 0.30.1 by PR 707).
-
-Upstream
-    https://github.com/ml-explore/mlx-lm/blob/v0.30.0/mlx_lm/models/rope_utils.py
-    (``SuScaledRoPE``); https://github.com/ml-explore/mlx-lm/pull/660,
-    https://github.com/ml-explore/mlx-lm/pull/707.
-
 Retire
     When 0.30.0 drops out of the supported range.
 

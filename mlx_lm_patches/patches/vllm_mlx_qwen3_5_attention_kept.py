@@ -20,17 +20,6 @@ Fix
     attention already takes per-row offsets and padding. vllm-mlx's replacements for other
     families are untouched.
 
-Affected
-    vllm-mlx 0.6.0 with mlx-vlm 0.7.10 (what ``pip install vllm-mlx`` resolves), measured on tiny
-    Qwen3.5 text requests of 3/17/9 tokens: the two shorter rows wrong from their second token;
-    exact with the fix. The probe has the last word on other pairs of versions.
-
-Upstream
-    https://github.com/waybarrios/vllm-mlx/blob/main/vllm_mlx/patches/qwen3_5_mllm.py
-    (``patch_qwen35_attention_for_batching``, called by ``MLLMBatchGenerator.__init__``);
-    https://github.com/Blaizzy/mlx-vlm/blob/v0.7.10/mlx_vlm/models/qwen3_5/language.py
-    (``Qwen3_5Attention``, ``_qwen3_5_left_padded_attention``).
-
 Retire
     When vllm-mlx stops replacing the attention, or its replacement handles the left-padded
     decode of the installed mlx-vlm: the probe then reports it not needed.

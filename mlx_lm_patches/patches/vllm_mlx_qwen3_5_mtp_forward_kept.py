@@ -20,21 +20,6 @@ Fix
     ``capture_layer_ids``). vllm-mlx's MTP head, drafting, verification and rollback are
     untouched. Models loaded by mlx-lm (vllm-mlx's text engine) are left alone.
 
-Affected
-    vllm-mlx 0.6.0 with mlx-vlm 0.7.10 (what ``pip install vllm-mlx`` resolves), measured on a
-    tiny Qwen3.5 folder with three image requests and a text request sent at once: the image
-    requests wrong from their first token with or without this package's other patches; exact
-    with the fix (drafts verified and rolled back on every step). The probe has the last word
-    on other pairs of versions.
-
-Upstream
-    https://github.com/waybarrios/vllm-mlx/blob/main/vllm_mlx/patches/qwen3_5_mtp.py
-    (``inject_mtp_support``: ``_Qwen3_5MTP.__call__``);
-    https://github.com/waybarrios/vllm-mlx/blob/main/vllm_mlx/engine/batched.py
-    (``_inject_mtp_mllm``);
-    https://github.com/Blaizzy/mlx-vlm/blob/v0.7.10/mlx_vlm/models/qwen3_5/language.py
-    (``LanguageModel.__call__``: ``return_hidden``, ``capture_layer_ids``).
-
 Retire
     When vllm-mlx's injected forward hands mlx-vlm's language model its embeddings and
     positions: the probe then reports it not needed.

@@ -5,7 +5,7 @@ release's own. Per family this module says how (``build``), how checkpoint tenso
 head's parameters (``convert``), and where the main model keeps what the head shares: the token
 embedding, the final norm (whose input and output are the pre-/post-norm hidden states the head
 reads) and the output projection. The forward itself is the same for every family
-(``mtp_decoding.mtp_forward``): ``proj(concat[enorm(embed(x_{t+1})), hnorm(h_t)])``, the head's
+(``decoding.mtp_forward``): ``proj(concat[enorm(embed(x_{t+1})), hnorm(h_t)])``, the head's
 layers (attention layers with their own KV cache), the head's final norm, the shared output.
 
 * Qwen3-Next, Qwen3.5/3.6 (dense and MoE): ``fc``, ``pre_fc_norm_embedding``,

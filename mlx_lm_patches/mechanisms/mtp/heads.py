@@ -4,7 +4,7 @@ Qwen3-Next, Qwen3.5/3.6 and Nemotron-H (Nemotron 3 Super) checkpoints carry a
 next-token-prediction head (``mtp.*`` tensors: a fusion projection over
 ``[norm(embedding), norm(hidden)]``, one or more decoder layers, a final norm). mlx-lm has no
 module for it and drops, rejects or mangles the tensors (see the ``mtp-heads-kept`` patch). This
-module builds the head from the family's own mlx-lm blocks (``mtp_families``), converts the
+module builds the head from the family's own mlx-lm blocks (``families``), converts the
 tensors from whichever layout the checkpoint uses to mlx-lm's, and loads them strictly.
 
 Layouts accepted, per tensor (checkpoints mix them):

@@ -21,8 +21,8 @@ cut at powers of two
 (:func:`~.cuts.cut_points`): more states, at positions a later request is likely to share.
 """
 
+import contextvars
 import sys
-import threading
 import weakref
 from contextlib import contextmanager
 from typing import Optional, Sequence
@@ -33,7 +33,11 @@ from mlx_lm_patches.mechanisms.prefix_reuse.settings import keeping, max_checkpo
 from mlx_lm_patches.mechanisms.prefix_reuse.trails import (
     ATTR, TokenLog, Trail, checkpoints, known_log, offsets_agree, set_trails, slots_of)
 
-_local = threading.local()
+# Per-call scope, in context variables (not thread-locals: one thread of an asyncio server runs
+# many requests' tasks, each in its own context; a new thread starts with the defaults).
+_INSIDE = contextvars.ContextVar("mlx_lm_patches_prefix_reuse_inside", default=False)  # in a recorded forward
+_CUTTING = contextvars.ContextVar("mlx_lm_patches_prefix_reuse_cutting", default=None)  # a _Cutting
+_ARMED = contextvars.ContextVar("mlx_lm_patches_prefix_reuse_armed", default=())  # weakrefs to generators
 
 
 class _Cutting:
@@ -45,15 +49,15 @@ class _Cutting:
 
 
 def arm(steps) -> bool:
-    """Cut the multi-token passes run while the generator ``steps`` runs in this thread, as
+    """Cut the multi-token passes run while the generator ``steps`` runs in this context, as
     :func:`cutting` does, without a wrapper around its iteration (that would be one more call
     per token). For ``generate_step``, whose multi-token passes are all its prefill. ``False``
     if ``steps`` is not a generator."""
     if not hasattr(steps, "gi_running"):
         return False
-    armed = [ref for ref in getattr(_local, "armed", ()) if _alive(ref())]
+    armed = [ref for ref in _ARMED.get() if _alive(ref())]
     armed.append(weakref.ref(steps))
-    _local.armed = armed
+    _ARMED.set(tuple(armed))
     return True
 
 
@@ -62,9 +66,9 @@ def _alive(generator) -> bool:
 
 
 def _cuts_on() -> bool:
-    if getattr(_local, "cutting", None) is not None:
+    if _CUTTING.get() is not None:
         return True
-    for ref in getattr(_local, "armed", ()):
+    for ref in _ARMED.get():
         generator = ref()
         if generator is not None and generator.gi_running:
             return True
@@ -73,16 +77,15 @@ def _cuts_on() -> bool:
 
 @contextmanager
 def cutting(seed: Optional[Sequence[int]] = None):
-    """Within this block (in this thread), multi-token passes are also cut at powers of two.
+    """Within this block (in this context: thread, asyncio task), multi-token passes are also cut at powers of two.
     ``seed``: the tokens the next cache list passed to a forward already holds, for a cache
     list built from one whose history was known (``BatchGenerator`` merges its rows' caches
     into new objects)."""
-    outer = getattr(_local, "cutting", None)
-    _local.cutting = _Cutting(seed)
+    token = _CUTTING.set(_Cutting(seed))
     try:
         yield
     finally:
-        _local.cutting = outer
+        _CUTTING.reset(token)
 
 
 def recorded_forward(wrapped, instance, args, kwargs):
@@ -95,8 +98,7 @@ def recorded_forward(wrapped, instance, args, kwargs):
     cache gets a trail with the new slots. Attention offsets are checked when the log is read
     (:func:`~.trails.known_log`): a recorded pass adds as many tokens to them as to the log,
     so a difference made outside stays visible. A pass of several rows is passed on at once."""
-    local = _local
-    if getattr(local, "inside", False):
+    if _INSIDE.get():
         return wrapped(*args, **kwargs)
     # -- fast path: one token into a cache list whose every recurrent slot is the one recorded
     # after the last pass (written out inline: a helper would be one more call per token)
@@ -109,11 +111,11 @@ def recorded_forward(wrapped, instance, args, kwargs):
     if type(cache) is list and type(inputs) is _ARRAY:
         shape = inputs.shape
         if len(shape) == 2 and shape[0] != 1:  # several rows (a batch decoding): nothing to follow
-            local.inside = True
+            token = _INSIDE.set(True)
             try:
                 return wrapped(*args, **kwargs)
             finally:
-                local.inside = False
+                _INSIDE.reset(token)
         if len(shape) == 2 and shape[0] == 1 and shape[1] == 1 and inputs.dtype in _INTEGER_DTYPES:
             cache_module = _modules["mlx_lm.models.cache"]
             arrays_cache, cache_list = cache_module.ArraysCache, getattr(cache_module, "CacheList", ())
@@ -146,11 +148,11 @@ def recorded_forward(wrapped, instance, args, kwargs):
                 if log is False:
                     break
             if log is not None and log is not False:
-                local.inside = True
+                token = _INSIDE.set(True)
                 try:
                     out = wrapped(*args, **kwargs)
                 finally:
-                    local.inside = False
+                    _INSIDE.reset(token)
                 store, length = log.store, log.length
                 if store.length == length:  # the end of its store: append in place
                     store.pending.append(inputs)
@@ -188,7 +190,7 @@ def _slow(wrapped, args, kwargs):
     cache = args[1] if len(args) > 1 else kwargs.get("cache")
     plain = len(args) <= 2 and all(k in ("inputs", "cache") for k in kwargs)
     follow = _follow(inputs, cache, plain, kwargs)
-    _local.inside = True
+    token = _INSIDE.set(True)
     try:
         if follow is None:
             return wrapped(*args, **kwargs)
@@ -205,7 +207,7 @@ def _slow(wrapped, args, kwargs):
             marks = _marks(leaves)
         return _multi(wrapped, args, kwargs, inputs, cache, leaves, log, marks, plain)
     finally:
-        _local.inside = False
+        _INSIDE.reset(token)
 
 
 def _follow(inputs, cache, plain, kwargs):
@@ -246,7 +248,7 @@ def _marks(leaves) -> list:
 def _seeded(cache):
     """The seed of the current :func:`cutting` block, given to the first cache list that
     matches it (its attention caches hold as many tokens): ``(seed, marks)``."""
-    state = getattr(_local, "cutting", None)
+    state = _CUTTING.get()
     if state is None or state.seed is None or state.bound is not None:
         return None
     seed = state.seed

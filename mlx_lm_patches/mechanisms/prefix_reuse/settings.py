@@ -1,8 +1,12 @@
-"""When prefix checkpoints are kept: the per-sequence bound and whether prompt-cache stores exist."""
+"""When prefix checkpoints are kept: the per-sequence bound and whether prompt-cache stores exist.
 
+What the process has seen (a prompt-cache store created, KV quantization asked for) is kept in
+the ``memo`` of the patch that notes it (``prompt-cache-prefix-reuse``): status lists it and
+``revert()`` forgets it, so a patch applied again starts as in a fresh process.
+"""
 
-_lru_seen = False  # an LRUPromptCache was created in this process
-_quantized_from = None  # smallest quantized_kv_start of a generation asked to quantize its KV caches
+STORE_SEEN = "an LRUPromptCache seen (prefills cut at powers of two)"
+QUANTIZED_FROM = "the smallest quantized_kv_start asked for (restores that would quantize declined)"
 
 
 def max_checkpoints(environ=None) -> int:
@@ -12,9 +16,8 @@ def max_checkpoints(environ=None) -> int:
     return setting(PREFIX_CHECKPOINTS, environ)
 
 
-def note_prompt_cache_created() -> None:
-    global _lru_seen
-    _lru_seen = True
+def note_prompt_cache_created(memo: dict) -> None:
+    memo[STORE_SEEN] = True
 
 
 def keeping() -> bool:
@@ -25,32 +28,33 @@ def keeping() -> bool:
     return max_checkpoints() > 0
 
 
-def capturing() -> bool:
+def capturing(memo: dict) -> bool:
     """Whether prefills also cut passes at powers of two, and ``BatchGenerator`` prefills hybrid
     rows one at a time to keep states: once an ``LRUPromptCache`` exists in the process (as in
-    ``mlx_lm.server``), or whenever ``MLX_LM_PATCHES_PREFIX_CHECKPOINTS`` is set explicitly;
-    never with ``MLX_LM_PATCHES_PREFIX_CHECKPOINTS=0``."""
+    ``mlx_lm.server``; noted in ``memo``), or whenever ``MLX_LM_PATCHES_PREFIX_CHECKPOINTS`` is
+    set explicitly; never with ``MLX_LM_PATCHES_PREFIX_CHECKPOINTS=0``."""
     import os
 
     from mlx_lm_patches.engine.env import PREFIX_CHECKPOINTS
 
     if max_checkpoints() == 0:
         return False
-    return _lru_seen or bool(os.environ.get(PREFIX_CHECKPOINTS, "").strip())
+    return bool(memo.get(STORE_SEEN)) or bool(os.environ.get(PREFIX_CHECKPOINTS, "").strip())
 
 
-def note_kv_quantization(kv_bits, quantized_kv_start) -> None:
+def note_kv_quantization(memo: dict, kv_bits, quantized_kv_start) -> None:
     """A generation in this process quantizes its KV caches (``kv_bits``) from
     ``quantized_kv_start`` tokens on (``mlx_lm.server --kv-bits``: every request)."""
-    global _quantized_from
     if kv_bits is None or not isinstance(quantized_kv_start, int):
         return
-    if _quantized_from is None or quantized_kv_start < _quantized_from:
-        _quantized_from = quantized_kv_start
+    known = memo.get(QUANTIZED_FROM)
+    if known is None or quantized_kv_start < known:
+        memo[QUANTIZED_FROM] = quantized_kv_start
 
 
-def quantized_prefill(length: int) -> bool:
+def quantized_prefill(memo: dict, length: int) -> bool:
     """Whether a prefill of ``length`` tokens may quantize its KV caches on the way (after a
     prefill chunk that reaches ``quantized_kv_start``): where it does depends on where the
     chunks end, so a prefill resumed from a restored state does not equal a cold one."""
-    return _quantized_from is not None and length >= _quantized_from
+    start = memo.get(QUANTIZED_FROM)
+    return start is not None and length >= start

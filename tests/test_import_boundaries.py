@@ -1,0 +1,86 @@
+"""Imports only run downward, read from the source (every module under ``mlx_lm_patches/``):
+a patch never imports another patch (shared code lives in ``mechanisms/``), and a mechanism
+never imports a patch or the demos.
+"""
+
+import ast
+import pathlib
+
+import pytest
+
+import mlx_lm_patches
+
+PACKAGE = pathlib.Path(mlx_lm_patches.__file__).parent
+PATCHES = "mlx_lm_patches.patches"
+MECHANISMS = "mlx_lm_patches.mechanisms"
+DEMOS = "mlx_lm_patches.demos"
+
+# (importing module, imported module) pairs allowed for now, each with why.
+EXCEPTIONS = {
+    # The mlx-vlm prefill-positions patches are built by a factory in vlm_positions, whose probe
+    # and scenario run the tiny mlx-vlm models of the demos: untangled by the demos split
+    # (probe helpers beside the mechanisms, the self-test kit apart), issue 36.
+    ("mlx_lm_patches.mechanisms.vlm_positions", "mlx_lm_patches.demos.tiny_vlm_models"),
+}
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _imports(path: pathlib.Path):
+    """Every module ``path`` imports (at top level or inside functions), absolute names."""
+    name = _module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module
+            yield module
+            yield from (f"{module}.{alias.name}" for alias in node.names)  # ``from pkg import mod``
+
+
+def _under(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def _violations():
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        importer = _module_name(path)
+        if _under(importer, PATCHES) and importer != PATCHES:
+            forbidden = [PATCHES]
+        elif _under(importer, MECHANISMS):
+            forbidden = [PATCHES, DEMOS]
+        else:
+            continue
+        for imported in sorted(set(_imports(path))):
+            if imported == importer or any(importer == a and _under(imported, b) for a, b in EXCEPTIONS):
+                continue
+            if any(_under(imported, f) for f in forbidden):
+                found.append(f"{importer} imports {imported}")
+    return found
+
+
+@pytest.mark.python_only
+def test_imports_only_run_downward():
+    assert _violations() == []
+
+
+@pytest.mark.python_only
+def test_the_exceptions_are_still_needed():
+    """An exception nothing needs any more is taken off the list."""
+    needed = set()
+    for path in PACKAGE.rglob("*.py"):
+        importer = _module_name(path)
+        needed |= {(importer, imported) for imported in _imports(path)}
+    assert EXCEPTIONS <= needed, EXCEPTIONS - needed
