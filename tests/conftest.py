@@ -225,6 +225,16 @@ CORE = (
 )
 
 
+def pytest_configure(config):
+    """Every patch applied once, before any test module is imported (modules bind patched
+    objects such as ``MambaCache`` or ``make_prompt_cache`` at import); with
+    ``MLX_LM_PATCHES_STRICT=1`` a patch that fails stops the session here, loudly. Tests that
+    need stock mlx-lm revert what they show (:func:`reverted`) or run a fresh interpreter."""
+    import mlx_lm_patches
+
+    mlx_lm_patches.apply()
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         where = f"{item.path.name}::{item.originalname}"
@@ -261,12 +271,12 @@ def _family_sweep(request):
 
 @contextlib.contextmanager
 def reverted(*ids):
-    """The given patches reverted for a block (stock mlx-lm for what they fix), applied again
-    after it."""
+    """The given patches (every patch if none is given) reverted for a block (stock mlx-lm for
+    what they fix), applied again after it."""
     import mlx_lm_patches
 
-    mlx_lm_patches.revert(list(ids))
+    mlx_lm_patches.revert(list(ids) or None)
     try:
         yield
     finally:
-        mlx_lm_patches.apply(list(ids))
+        mlx_lm_patches.apply(list(ids) or None)

@@ -16,12 +16,10 @@ import gc
 
 import pytest
 
-import mlx_lm_patches
 from conftest import reverted, xfail_if_affected
 from mlx_lm_patches.demos.scenarios import prompt_tokens
 from mlx_lm_patches.demos.tiny_models import available_model_types, build_tiny_model
 
-mlx_lm_patches.apply()
 
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models.cache import ArraysCache  # noqa: E402

@@ -4,12 +4,10 @@ family; calls with a size are unchanged."""
 
 import pytest
 
-import mlx_lm_patches
 from mlx_lm_patches.patches.arrays_cache_optional_size import AutoSizedSlots
 from mlx_lm_patches.demos.scenarios import greedy, prefill, prompt_tokens, round_trip_prompt_cache
 from mlx_lm_patches.demos.tiny_models import available_model_types, build_tiny_model
 
-mlx_lm_patches.apply()
 
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache  # noqa: E402

@@ -5,12 +5,10 @@ per-prompt caches. Through mlx-lm's own BatchGenerator and batch_generate, patch
 
 import pytest
 
-import mlx_lm_patches
 from mlx_lm_patches.demos.scenarios import batched_greedy, greedy, prompt_tokens, split_prefilled
 from mlx_lm_patches.demos.tiny_models import DENSE_MODEL_TYPE, available_model_types, build_tiny_model
 from support.references import tiny_greedy
 
-mlx_lm_patches.apply()
 
 # (model_type, situation) -> True where the cell is known wrong and its fix is pending
 PENDING = {}

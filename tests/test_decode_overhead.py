@@ -22,7 +22,6 @@ from mlx_lm_patches.demos.tiny_models import DENSE_MODEL_TYPE, build_tiny_model,
 from support.counting import CountingModel
 from support.package_calls import count_calls
 
-mlx_lm_patches.apply()
 
 PATCH = "prompt-cache-prefix-reuse"
 

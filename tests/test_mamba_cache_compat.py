@@ -4,13 +4,11 @@ files naming MambaCache, and the stock failure where the matrix says affected.""
 
 import pytest
 
-import mlx_lm_patches
 from conftest import run_python, xfail_if_affected
 from mlx_lm_patches.patches import mamba_cache_compat as patch
 from mlx_lm_patches.demos.scenarios import greedy, prompt_tokens
 from mlx_lm_patches.demos.tiny_models import available_model_types, build_tiny_model
 
-mlx_lm_patches.apply()
 
 from mlx_lm.models import cache as cache_module  # noqa: E402
 from mlx_lm.models.cache import ArraysCache, MambaCache  # noqa: E402

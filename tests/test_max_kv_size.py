@@ -22,7 +22,6 @@ import inspect
 
 import pytest
 
-import mlx_lm_patches
 from conftest import reverted, xfail_if_affected
 from support.kv_window import hybrids_with_plain_attention, specified_caches
 from mlx_lm_patches.mechanisms.caches import flat_caches
@@ -30,7 +29,6 @@ from mlx_lm_patches.demos.scenarios import Decoded, greedy, prompt_tokens
 from mlx_lm_patches.demos.tiny_models import DENSE_MODEL_TYPE, build_tiny_model
 from mlx_lm_patches.patches.hybrid_max_kv_size import positions_held
 
-mlx_lm_patches.apply()
 
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache  # noqa: E402

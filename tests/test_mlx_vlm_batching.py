@@ -18,6 +18,7 @@ import pytest
 pytest.importorskip("mlx_vlm")
 
 import mlx_lm_patches  # noqa: E402
+import conftest  # noqa: E402
 from conftest import affected, run_python, xfail_if_affected  # noqa: E402
 from mlx_lm_patches.demos import tiny_vlm_models as vlm  # noqa: E402
 
@@ -101,12 +102,8 @@ def test_stock_batch_generate_is_wrong_where_affected(model_type):
 @pytest.fixture
 def reverted(request):
     """The given patch ids (all if ``None``) reverted for the test, then applied again."""
-    ids = request.param
-    mlx_lm_patches.revert(ids)
-    try:
-        yield ids
-    finally:
-        mlx_lm_patches.apply()
+    with conftest.reverted(*(request.param or ())):
+        yield request.param
 
 
 def _stock_cases():

@@ -19,13 +19,11 @@ import sys
 
 import pytest
 
-import mlx_lm_patches
 from mlx_lm_patches.demos.mtp_checkpoints import (MTP_MODEL_TYPES, check_loaded, hf_layout_unreadable,
                                                   write_mtp_checkpoint)
 from mlx_lm_patches.demos.scenarios import greedy, prompt_tokens, speculative_greedy
 from support.references import greedy_of
 
-mlx_lm_patches.apply()
 
 FAMILIES = [f for f in ("qwen3_next", "qwen3_5", "nemotron_h")
             if importlib.util.find_spec(f"mlx_lm.models.{f}") is not None]

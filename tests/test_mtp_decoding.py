@@ -11,14 +11,12 @@ import os
 
 import pytest
 
-import mlx_lm_patches
 from mlx_lm_patches.demos.scenarios import LOGPROB_TOLERANCE, Decoded, prompt_tokens, speculative_greedy
 from mlx_lm_patches.demos.mtp_checkpoints import MTP_MODEL_TYPES, write_mtp_checkpoint
 from mlx_lm_patches.mechanisms.mtp.families import family_of
 from support.counting import CountingModel
 from support.references import greedy_of
 
-mlx_lm_patches.apply()
 
 FAMILIES = [f for f in MTP_MODEL_TYPES
             if importlib.util.find_spec(f"mlx_lm.models.{f}") is not None]

@@ -10,11 +10,9 @@ import importlib.util
 
 import pytest
 
-import mlx_lm_patches
 from mlx_lm_patches.demos.scenarios import LOGPROB_TOLERANCE, prompt_tokens
 from mlx_lm_patches.demos.mtp_checkpoints import MTP_MODEL_TYPES, write_mtp_checkpoint
 
-mlx_lm_patches.apply()
 
 FAMILIES = [f for f in MTP_MODEL_TYPES
             if importlib.util.find_spec(f"mlx_lm.models.{f}") is not None]

@@ -26,14 +26,12 @@ import json
 
 import pytest
 
-import mlx_lm_patches
 from conftest import run_python, xfail_if_affected
 from mlx_lm_patches.demos.mtp_checkpoints import (DEEPSEEK_LAYOUT, MTP_MODEL_TYPES, check_loaded,
                                                   hf_layout_unreadable, write_mtp_checkpoint)
 from mlx_lm_patches.demos.scenarios import greedy, prompt_tokens
 from mlx_lm_patches.demos.tiny_models import build_tiny_model
 
-mlx_lm_patches.apply()
 
 FAMILIES = [f for f in DEEPSEEK_LAYOUT + ("mimo", "ernie4_5_moe", "exaone_moe", "mimo_v2_flash", "step3p5",
                                           "bailing_moe_v3", "longcat_flash", "longcat_flash_ngram")

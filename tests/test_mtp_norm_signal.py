@@ -17,9 +17,6 @@ import inspect
 
 import pytest
 
-import mlx_lm_patches
-
-mlx_lm_patches.apply()
 
 FAMILIES = [f for f in ("qwen3_5", "qwen3_5_moe") if importlib.util.find_spec(f"mlx_lm.models.{f}") is not None]
 pytestmark = pytest.mark.skipif(not FAMILIES, reason="this mlx-lm has no qwen3_5 family")

@@ -10,12 +10,10 @@ import json
 
 import pytest
 
-import mlx_lm_patches
 from mlx_lm_patches.mechanisms.mtp.families import family_of
 from mlx_lm_patches.demos.scenarios import Decoded, greedy, prompt_tokens, speculative_greedy
 from mlx_lm_patches.demos.mtp_checkpoints import check_loaded, write_mtp_checkpoint
 
-mlx_lm_patches.apply()
 
 FAMILIES = [f for f in ("qwen3_next", "qwen3_5", "qwen3_5_moe", "nemotron_h")
             if importlib.util.find_spec(f"mlx_lm.models.{f}") is not None]

@@ -49,7 +49,6 @@ from conftest import xfail_if_affected
 from mlx_lm_patches.demos import tiny_models
 from mlx_lm_patches.demos import tiny_rope_models
 
-mlx_lm_patches.apply()
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -12,7 +12,6 @@ prompts are not evicted, kept states are bounded and counted in ``nbytes``.
 
 import pytest
 
-import mlx_lm_patches
 from mlx_lm_patches.mechanisms import prefix_reuse as pc
 from mlx_lm_patches.demos.scenarios import (
     _batched_one,
@@ -24,7 +23,6 @@ from mlx_lm_patches.demos.scenarios import (
 )
 from mlx_lm_patches.demos.tiny_models import DENSE_MODEL_TYPE, available_model_types, build_tiny_model
 
-mlx_lm_patches.apply()
 
 HYBRIDS = available_model_types()
 SHARED, STEP = 300, 128

@@ -17,14 +17,12 @@ Patches off: the diverging request reuses nothing (strict xfail where the matrix
 
 import pytest
 
-import mlx_lm_patches
 from conftest import reverted, xfail_if_affected
 from mlx_lm_patches.demos.scenarios import (
     engine_greedy, engine_prefill, engine_prefix_reuse, greedy, lru_prompt_cache_class, prompt_tokens,
     speculative_greedy)
 from mlx_lm_patches.demos.tiny_models import DENSE_MODEL_TYPE, available_model_types, build_tiny_model
 
-mlx_lm_patches.apply()
 
 HYBRIDS = available_model_types()
 CHUNK = 64

@@ -14,12 +14,10 @@ import importlib
 
 import pytest
 
-import mlx_lm_patches
 from mlx_lm_patches.demos.scenarios import greedy, prompt_tokens, speculative_greedy
 from mlx_lm_patches.demos.tiny_models import available_model_types, build_tiny_model
 from mlx_lm_patches.patches.prompt_cache_file_draft import TOKENS_KEY
 
-mlx_lm_patches.apply()
 
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache, save_prompt_cache  # noqa: E402

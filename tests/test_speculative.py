@@ -14,7 +14,6 @@ from mlx_lm_patches.demos.tiny_models import DENSE_MODEL_TYPE, available_model_t
 from support.counting import CountingModel
 from support.references import tiny_greedy
 
-mlx_lm_patches.apply()
 
 HYBRIDS = available_model_types()
 MAX_TOKENS = 10

@@ -13,11 +13,9 @@
 
 import pytest
 
-import mlx_lm_patches
 from mlx_lm_patches.demos.scenarios import greedy, prompt_tokens, speculative_greedy
 from mlx_lm_patches.demos.tiny_models import DENSE_MODEL_TYPE, build_tiny_model
 
-mlx_lm_patches.apply()
 
 HYBRID = "qwen3_next"  # in every supported release
 SNAPSHOTS = "MLX_LM_PATCHES_ROLLBACK_SNAPSHOTS"

@@ -19,7 +19,6 @@ from conftest import run_python, xfail_if_affected
 from mlx_lm_patches.demos.scenarios import continue_after_speculation, prompt_tokens
 from mlx_lm_patches.demos.tiny_models import DENSE_MODEL_TYPE, available_model_types, build_tiny_model
 
-mlx_lm_patches.apply()
 
 PATCH = "speculative-cache-sync"
 TYPES = set(available_model_types()) | {DENSE_MODEL_TYPE}

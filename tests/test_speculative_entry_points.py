@@ -6,11 +6,9 @@ as its own draft (every draft token accepted)."""
 
 import pytest
 
-import mlx_lm_patches
 from mlx_lm_patches.demos.model_folder import write_model_folder
 from mlx_lm_patches.demos.tiny_models import DENSE_MODEL_TYPE, build_tiny_model, tiny_config
 
-mlx_lm_patches.apply()
 
 pytestmark = pytest.mark.release_only
 

@@ -19,7 +19,6 @@ from mlx_lm_patches.demos.scenarios import greedy, prompt_tokens, speculative_gr
 from mlx_lm_patches.demos.tiny_models import build_tiny_model
 from support.kv_window import hybrids_with_plain_attention, specified_caches
 
-mlx_lm_patches.apply()
 
 import mlx.core as mx  # noqa: E402
 
