@@ -292,7 +292,7 @@ def test_stock_vision_engine_image_requests_are_wrong_where_affected(pid):
     assert json.loads(ran.stdout.strip().splitlines()[-1]) is None
 
 
-IMAGE_CHAT_TOKENS = 24  # long enough for the concurrent chats' decoding to overlap
+IMAGE_CHAT_TOKENS = 40  # long enough for the concurrent chats' decoding to overlap, even under load (24 did not once)
 IMAGE_CHAT_ROUNDS = 3  # the chats are sent at once this many times: whether the server batches
 # them depends on when they arrive, so a round may run them one after another
 
