@@ -1,0 +1,163 @@
+"""Choosing the number of draft tokens of each speculative round from what this sequence shows.
+
+:class:`Controller` decides ``k`` in ``0..most`` before every round of a sequence from
+
+* the acceptance seen so far: a per-token acceptance estimate from decayed counts of accepted
+  and rejected draft tokens (a round of ``k`` drafts that keeps ``n`` shows ``n`` accepted and,
+  when ``n < k``, one rejected; what comes after the first rejection is never seen);
+* the time of a round of each ``k`` measured in this run (the seconds spent inside the
+  speculative loop for the round: draft steps, the verify pass of ``k + 1`` tokens, the rollback
+  left to it), ``k = 0`` being a plain decoding step; a ``k`` not measured yet is estimated on a
+  line through the plain step and the measured ones. No constant of any machine.
+
+It picks the ``k`` with the most expected tokens per second, ``E[tokens](k) / time(k)`` with
+``E[tokens](k) = (1 - a^(k+1)) / (1 - a)``. At ``k = 0`` it decodes plainly and probes now and
+then with one draft token: after ``interval`` plain rounds; a probe that is rejected doubles the
+interval (and the interval is at least what keeps the probes' measured extra cost near 1 % of
+the plain rounds between them; at most 256 rounds), an accepted one brings it back to the start.
+
+Tests force a schedule with :func:`forced` (``k`` per round, whatever the controller thinks).
+"""
+
+import contextlib
+import math
+import threading
+
+DECAY = 0.9  # weight kept by older acceptance observations per new one (about 10 remembered)
+PRIOR = (0.5, 1.0)  # (accepted, seen) pseudo-counts: an estimate of 1/2 before anything is seen
+TIME_WEIGHT = 0.3  # weight of a new round time in a k's running estimate
+FIRST_INTERVAL = 4  # plain rounds before the first probe
+PROBE_SHARE = 0.01  # the probes' extra cost kept near this share of the plain rounds' time
+MOST_INTERVAL = 256  # plain rounds between probes at most: how long a return of acceptance may wait
+
+_forced = threading.local()
+
+
+@contextlib.contextmanager
+def forced(schedule):
+    """Within the block, speculative rounds use ``schedule``'s draft lengths in turn (an iterable
+    of ints; each is capped to the call's ``num_draft_tokens`` and to the tokens left; when it
+    runs out, the last one stays; the first round drafts at least one). For tests: the output must not depend on the schedule."""
+    ks = [int(k) for k in schedule]
+    if not ks or min(ks) < 0:
+        raise ValueError(f"forced schedule needs draft lengths >= 0, got {ks!r}")
+    previous = getattr(_forced, "ks", None)
+    _forced.ks = ks
+    try:
+        yield
+    finally:
+        _forced.ks = previous
+
+
+def forced_schedule():
+    return getattr(_forced, "ks", None)
+
+
+def expected_tokens(a, k):
+    """Tokens a round of ``k`` drafts yields on average at per-token acceptance ``a``."""
+    if a >= 1.0:
+        return float(k + 1)
+    return (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+class Controller:
+    """The draft length of each round of one sequence; ``most``: the caller's ``num_draft_tokens``."""
+
+    def __init__(self, most, schedule=None):
+        self.most = int(most)
+        self.schedule = list(schedule) if schedule is not None else None
+        self.rounds = 0
+        self.accepted = 0.0  # decayed counts
+        self.rejected = 0.0
+        self.seconds = {}  # k -> running estimate of a round's time
+        self.plain_run = 0  # plain rounds since the last round that drafted
+        self.interval = FIRST_INTERVAL
+        self.probing = False  # the next round is a probe
+
+    # -- what was seen -------------------------------------------------------------------------
+
+    @property
+    def acceptance(self):
+        return (self.accepted + PRIOR[0]) / (self.accepted + self.rejected + PRIOR[1])
+
+    def observe(self, k, kept, seconds=None):
+        """A round of ``k`` drafts kept ``kept`` of them and took ``seconds`` (None: not timed -
+        the prompt's prefill was in it)."""
+        self.rounds += 1
+        probe, self.probing = self.probing, False
+        for accepted in [1.0] * kept + ([0.0] if kept < k else []):
+            self.accepted = DECAY * self.accepted + accepted
+            self.rejected = DECAY * self.rejected + (1.0 - accepted)
+        if seconds is not None and seconds > 0:
+            old = self.seconds.get(k)
+            self.seconds[k] = seconds if old is None else (1 - TIME_WEIGHT) * old + TIME_WEIGHT * seconds
+        if k == 0:
+            self.plain_run += 1
+            return
+        self.plain_run = 0
+        if probe:
+            if kept:
+                self.interval = FIRST_INTERVAL
+            else:
+                self.interval = 2 * self.interval
+                plain = self.seconds.get(0)
+                if seconds and plain:
+                    # the probe's extra cost, kept near PROBE_SHARE of the plain rounds between probes
+                    extra = max(seconds - plain, 0.0)
+                    self.interval = max(self.interval, math.ceil(extra / (PROBE_SHARE * plain)))
+                self.interval = min(self.interval, MOST_INTERVAL)
+
+    # -- what to do next -----------------------------------------------------------------------
+
+    def round_time(self, k):
+        """Measured, or on the line through the plain step and the measured draft lengths."""
+        if k in self.seconds:
+            return self.seconds[k]
+        plain = self.seconds.get(0)
+        slopes = [(t - plain) / j for j, t in self.seconds.items() if j and plain is not None]
+        if plain is None or not slopes:
+            return None
+        return plain + k * max(sum(slopes) / len(slopes), 0.0)
+
+    def best(self):
+        """The draft length with the most expected tokens per second (0 when unsure)."""
+        a = self.acceptance
+        best_k, best_rate = 0, None
+        for k in range(self.most + 1):
+            t = self.round_time(k)
+            if t is None or t <= 0:
+                continue
+            rate = expected_tokens(a, k) / t
+            if best_rate is None or rate > best_rate * (1 + 1e-9):
+                best_k, best_rate = k, rate
+        return best_k
+
+    def choose(self, left=None):
+        """The draft length of the next round (``left``: tokens still to generate)."""
+        k = self._choose()
+        if self.rounds == 0:
+            k = max(k, 1)  # the first round drafts: where the draft's prefill leaves it is mlx-lm's
+        if left is not None:
+            k = min(k, max(left - 1, 0))  # mlx-lm's loop caps at the tokens left; a last round drafts less
+        return max(0, min(k, self.most))
+
+    def _choose(self):
+        if self.schedule is not None:
+            return self.schedule[min(self.rounds, len(self.schedule) - 1)]
+        if self.most <= 0:
+            return 0
+        # start: one round with a draft (the prompt's prefill is in it: not timed), then a plain
+        # round and a round of one draft, each timed; from there the model decides.
+        if self.rounds == 0:
+            return 1
+        if 0 not in self.seconds:
+            return 0
+        if 1 not in self.seconds and len(self.seconds) < 2:
+            return 1
+        k = self.best()
+        if k:
+            return k
+        if self.plain_run >= self.interval:
+            self.probing = True
+            return 1
+        return 0
