@@ -73,6 +73,7 @@ class Controller:
         self.plain_run = 0  # plain rounds since the last round that drafted
         self.interval = FIRST_INTERVAL
         self.probing = False  # the next round is a probe
+        self.floored = False  # the first wait for a probe was set from the measured costs
 
     # -- what was seen -------------------------------------------------------------------------
 
@@ -80,9 +81,10 @@ class Controller:
     def acceptance(self):
         return (self.accepted + PRIOR[0]) / (self.accepted + self.rejected + PRIOR[1])
 
-    def observe(self, k, kept, seconds=None):
+    def observe(self, k, kept, seconds=None, catch_up=0.0):
         """A round of ``k`` drafts kept ``kept`` of them and took ``seconds`` (None: not timed -
-        the prompt's prefill was in it)."""
+        the prompt's prefill was in it) besides ``catch_up`` seconds of the draft catching up on
+        tokens decoded without it (a cost of probing, not of rounds of ``k``)."""
         self.rounds += 1
         probe, self.probing = self.probing, False
         for accepted in [1.0] * kept + ([0.0] if kept < k else []):
@@ -103,7 +105,7 @@ class Controller:
                 plain = self.seconds.get(0)
                 if seconds and plain:
                     # the probe's extra cost, kept near PROBE_SHARE of the plain rounds between probes
-                    extra = max(seconds - plain, 0.0)
+                    extra = max(seconds + catch_up - plain, 0.0)
                     self.interval = max(self.interval, math.ceil(extra / (PROBE_SHARE * plain)))
                 self.interval = min(self.interval, MOST_INTERVAL)
 
@@ -157,6 +159,13 @@ class Controller:
         k = self.best()
         if k:
             return k
+        if not self.floored:
+            self.floored = True
+            # leaving drafting: the first probe waits until its cost is about PROBE_SHARE of the wait
+            plain, one = self.seconds[0], self.round_time(1)  # (both measured by now)
+            if one is not None and plain > 0:
+                wait = math.ceil(max(one - plain, 0.0) / (PROBE_SHARE * plain))
+                self.interval = min(max(FIRST_INTERVAL, wait), MOST_INTERVAL)
         if self.plain_run >= self.interval:
             self.probing = True
             return 1

@@ -163,7 +163,7 @@ def _segments(wrapped, bound, most, max_tokens, schedule):
                 if not round_over:  # max_tokens reached, or the loop ended
                     return
                 catch_up, draft.catch_up_s = draft.catch_up_s, 0.0
-                controller.observe(k, kept, spent - catch_up if timed else None)
+                controller.observe(k, kept, spent - catch_up if timed else None, catch_up)
                 timed = True
                 if k > 0:
                     # the draft holds all but the main model's token (and, all accepted, the last draft)
