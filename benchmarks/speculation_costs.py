@@ -411,6 +411,23 @@ def run_family(family, args):
     ks = range(1, max(args.ks) + 1)
     print("    k                " + " ".join(f"{k:>5}" for k in ks))
     print("    verify of k+1    " + " ".join(f"{costs.verify(k + 1):>5.2f}" for k in ks))
+    if args.no_model:
+        print("    (rollback costs and the modelled ratios left out: --no-model)")
+    else:
+        print_rollback(costs, ks)
+
+    model_costs = None if args.no_model else costs
+    sweep(f"draft model ({draft_cost:.2f} main step)", model,
+          lambda hint: HintedDraft(draft_model, sequence, hint), draft_cost, model_costs, prompt, ref, args)
+
+    mtp_cost = costs.mtp_step()  # installs the head's capture on the main model from here on
+    print(f"\n    MTP head step    {mtp_cost:>5.2f}")
+    sweep(f"MTP head ({mtp_cost:.2f} main step)", model,
+          lambda hint: hinted_draft(model, sequence, hint=hint), mtp_cost, model_costs, prompt, ref, args)
+    mx.clear_cache()
+
+
+def print_rollback(costs, ks):
     print("    rollback         " + " ".join(f"{costs.rollback(k):>5.2f}" for k in ks), end="")
     if any(costs.replayed[k] for k in ks):
         print("  (first draft rejected: state restore", " ".join(f"{costs.rejected(k, 1)[0]:.2f}" for k in ks),
@@ -418,15 +435,6 @@ def run_family(family, args):
               " ".join(f"{costs.rejected(k, 1)[1]:.2f}" for k in ks) + ")")
     else:
         print("  (first draft rejected: caches trimmed, no model call)")
-
-    sweep(f"draft model ({draft_cost:.2f} main step)", model,
-          lambda hint: HintedDraft(draft_model, sequence, hint), draft_cost, costs, prompt, ref, args)
-
-    mtp_cost = costs.mtp_step()  # installs the head's capture on the main model from here on
-    print(f"\n    MTP head step    {mtp_cost:>5.2f}")
-    sweep(f"MTP head ({mtp_cost:.2f} main step)", model,
-          lambda hint: hinted_draft(model, sequence, hint=hint), mtp_cost, costs, prompt, ref, args)
-    mx.clear_cache()
 
 
 def main():
@@ -442,6 +450,8 @@ def main():
     parser.add_argument("--context", type=int, default=128, help="tokens before the cost measurements")
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--cost-repeats", type=int, default=9, help="timings per cost (median)")
+    parser.add_argument("--no-model", action="store_true",
+                        help="leave out the rollback costs and the modelled ratios (much faster)")
     parser.add_argument("--no-adaptive", dest="adaptive", action="store_false",
                         help="leave out the adaptive column (adaptive-drafting patch, k <= max of --ks)")
     parser.add_argument("--quick", action="store_true",
