@@ -193,3 +193,17 @@ def test_status_says_whether_it_is_on(monkeypatch):
     assert "off" in adaptive_drafting_line()
     monkeypatch.setenv(env.ADAPTIVE_DRAFTING, "1")
     assert adaptive_drafting_line().startswith("adaptive drafting: on")
+
+
+def test_controller_retires_a_draft_whose_catch_up_alone_costs_too_much():
+    """0 % acceptance, and the draft's catch-up costs 5 % of a plain step per token missed: after
+    a probe at the longest wait the probes stop (at most 2 % of plain decoding spent on them)."""
+    controller = Controller(4)
+    waited, probes = 0, []
+    for r in range(1500):
+        k = controller.choose()
+        if k:
+            probes.append(r)
+        controller.observe(k, 0, 1.0 + 0.5 * k, catch_up=0.05 * waited if k else 0.0)
+        waited = 0 if k else waited + 1
+    assert controller.retired and probes[-1] < 1000, probes

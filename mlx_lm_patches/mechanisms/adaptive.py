@@ -15,6 +15,8 @@ It picks the ``k`` with the most expected tokens per second, ``E[tokens](k) / ti
 then with one draft token: after ``interval`` plain rounds; a probe that is rejected doubles the
 interval (and the interval is at least what keeps the probes' measured extra cost near 1 % of
 the plain rounds between them; at most 256 rounds), an accepted one brings it back to the start.
+A probe rejected after the longest wait that still cost more than 2 % of that wait (a draft whose
+catch-up over the tokens it missed is itself that costly) ends the probing for the sequence.
 
 Tests force a schedule with :func:`forced` (``k`` per round, whatever the controller thinks).
 """
@@ -29,6 +31,7 @@ TIME_WEIGHT = 0.3  # weight of a new round time in a k's running estimate
 FIRST_INTERVAL = 4  # plain rounds before the first probe
 PROBE_SHARE = 0.01  # the probes' extra cost kept near this share of the plain rounds' time
 MOST_INTERVAL = 256  # plain rounds between probes at most: how long a return of acceptance may wait
+RETIRE_SHARE = 0.02  # a probe after the longest wait costing more than this share of it: no more probes
 
 _forced = threading.local()
 
@@ -74,6 +77,8 @@ class Controller:
         self.interval = FIRST_INTERVAL
         self.probing = False  # the next round is a probe
         self.floored = False  # the first wait for a probe was set from the measured costs
+        self.waited = 0  # plain rounds before the current probe
+        self.retired = False  # no more probes in this sequence
 
     # -- what was seen -------------------------------------------------------------------------
 
@@ -106,6 +111,10 @@ class Controller:
                 if seconds and plain:
                     # the probe's extra cost, kept near PROBE_SHARE of the plain rounds between probes
                     extra = max(seconds + catch_up - plain, 0.0)
+                    if self.waited >= MOST_INTERVAL and extra > RETIRE_SHARE * plain * self.waited:
+                        # keeping the draft in step costs too much by itself (its catch-up grows
+                        # with the wait): plain decoding for the rest of the sequence
+                        self.retired = True
                     self.interval = max(self.interval, math.ceil(extra / (PROBE_SHARE * plain)))
                 self.interval = min(self.interval, MOST_INTERVAL)
 
@@ -166,7 +175,7 @@ class Controller:
             if one is not None and plain > 0:
                 wait = math.ceil(max(one - plain, 0.0) / (PROBE_SHARE * plain))
                 self.interval = min(max(FIRST_INTERVAL, wait), MOST_INTERVAL)
-        if self.plain_run >= self.interval:
-            self.probing = True
+        if self.plain_run >= self.interval and not self.retired:
+            self.probing, self.waited = True, self.plain_run
             return 1
         return 0
