@@ -6,12 +6,14 @@
   and rejected draft tokens (a round of ``k`` drafts that keeps ``n`` shows ``n`` accepted and,
   when ``n < k``, one rejected; what comes after the first rejection is never seen);
 * the time of a round of each ``k`` measured in this run (the seconds spent inside the
-  speculative loop for the round: draft steps, the verify pass of ``k + 1`` tokens, the rollback
-  left to it), ``k = 0`` being a plain decoding step; a ``k`` not measured yet is estimated on a
-  line through the plain step and the measured ones. No constant of any machine.
+  speculative loop for the round: draft steps, the verify pass of ``k + 1`` tokens), ``k = 0``
+  being a plain decoding step; a ``k`` not measured yet is estimated on a line through the
+  plain step and the measured ones; and the rollback of a rejected round (what the round after
+  it takes over its usual time: a hybrid re-runs the kept tokens in front of the next verify
+  pass). No constant of any machine.
 
-It picks the ``k`` with the most expected tokens per second, ``E[tokens](k) / time(k)`` with
-``E[tokens](k) = (1 - a^(k+1)) / (1 - a)``. At ``k = 0`` it decodes plainly and probes now and
+It picks the ``k`` with the most expected tokens per second,
+``E[tokens](k) / (time(k) + (1 - a^k) * rollback)`` with ``E[tokens](k) = (1 - a^(k+1)) / (1 - a)``. At ``k = 0`` it decodes plainly and probes now and
 then with one draft token: after ``interval`` plain rounds; a probe that is rejected doubles the
 interval (and the interval is at least what keeps the probes' measured extra cost near 1 % of
 the plain rounds between them; at most 256 rounds), an accepted one brings it back to the start.
@@ -72,7 +74,9 @@ class Controller:
         self.rounds = 0
         self.accepted = 0.0  # decayed counts
         self.rejected = 0.0
-        self.seconds = {}  # k -> running estimate of a round's time
+        self.seconds = {}  # running estimates: k = 0 a plain round's seconds; k > 0 in plain rounds
+        self.after_rejection = False  # the last round drafted and had a draft token rejected
+        self.rollback = None  # running estimate of what a rejected round adds to the next one (plain rounds)
         self.plain_run = 0  # plain rounds since the last round that drafted
         self.interval = FIRST_INTERVAL
         self.probing = False  # the next round is a probe
@@ -95,9 +99,7 @@ class Controller:
         for accepted in [1.0] * kept + ([0.0] if kept < k else []):
             self.accepted = DECAY * self.accepted + accepted
             self.rejected = DECAY * self.rejected + (1.0 - accepted)
-        if seconds is not None and seconds > 0:
-            old = self.seconds.get(k)
-            self.seconds[k] = seconds if old is None else (1 - TIME_WEIGHT) * old + TIME_WEIGHT * seconds
+        self._time(k, kept, seconds)
         if k == 0:
             self.plain_run += 1
             return
@@ -110,7 +112,7 @@ class Controller:
                 plain = self.seconds.get(0)
                 if seconds and plain:
                     # the probe's extra cost, kept near PROBE_SHARE of the plain rounds between probes
-                    extra = max(seconds + catch_up - plain, 0.0)
+                    extra = max(seconds + catch_up - plain, 0.0) + (self.rollback or 0.0) * plain
                     if self.waited >= MOST_INTERVAL and extra > RETIRE_SHARE * plain * self.waited:
                         # keeping the draft in step costs too much by itself (its catch-up grows
                         # with the wait): plain decoding for the rest of the sequence
@@ -118,17 +120,46 @@ class Controller:
                     self.interval = max(self.interval, math.ceil(extra / (PROBE_SHARE * plain)))
                 self.interval = min(self.interval, MOST_INTERVAL)
 
+    def _time(self, k, kept, seconds):
+        """Round times per ``k``, and the rollback. A rejected round of a hybrid leaves the re-run
+        of its kept tokens to the next verify pass: what the next round takes over its usual time
+        is the rollback's cost (a running estimate); rounds after a rejection are not taken as
+        usual times."""
+        after_rejection, self.after_rejection = self.after_rejection, k > 0 and kept < k
+        if seconds is None or seconds <= 0:
+            return
+        plain = self.seconds.get(0)
+        if not after_rejection:
+            if k == 0:
+                self._record(0, seconds)
+            elif plain:
+                self._record(k, seconds / plain)
+        elif plain and (k == 0 or k in self.seconds):
+            usual = 1.0 if k == 0 else self.seconds[k]
+            extra = max(seconds / plain - usual, 0.0)
+            old = self.rollback
+            self.rollback = extra if old is None else (1 - TIME_WEIGHT) * old + TIME_WEIGHT * extra
+
+    def _record(self, k, seconds):
+        old = self.seconds.get(k)
+        self.seconds[k] = seconds if old is None else (1 - TIME_WEIGHT) * old + TIME_WEIGHT * seconds
+
     # -- what to do next -----------------------------------------------------------------------
 
     def round_time(self, k):
-        """Measured, or on the line through the plain step and the measured draft lengths."""
+        """A round's time in plain steps: measured, or on the line through the plain step and the
+        measured draft lengths. (Kept relative to the plain step measured at the same time, so
+        that a change of the machine's load moves every estimate together.)"""
+        if 0 not in self.seconds:
+            return None
+        if k == 0:
+            return 1.0
         if k in self.seconds:
             return self.seconds[k]
-        plain = self.seconds.get(0)
-        slopes = [(t - plain) / j for j, t in self.seconds.items() if j and plain is not None]
-        if plain is None or not slopes:
+        slopes = [(t - 1.0) / j for j, t in self.seconds.items() if j]
+        if not slopes:
             return None
-        return plain + k * max(sum(slopes) / len(slopes), 0.0)
+        return 1.0 + k * max(sum(slopes) / len(slopes), 0.0)
 
     def best(self):
         """The draft length with the most expected tokens per second (0 when unsure)."""
@@ -138,7 +169,7 @@ class Controller:
             t = self.round_time(k)
             if t is None or t <= 0:
                 continue
-            rate = expected_tokens(a, k) / t
+            rate = expected_tokens(a, k) / (t + (1.0 - a ** k) * (self.rollback or 0.0))
             if best_rate is None or rate > best_rate * (1 + 1e-9):
                 best_k, best_rate = k, rate
         return best_k
@@ -165,15 +196,17 @@ class Controller:
             return 0
         if 1 not in self.seconds and len(self.seconds) < 2:
             return 1
+        if self.after_rejection and self.rollback is None:
+            return 0  # a plain round measures what the rejection left to the next pass
         k = self.best()
         if k:
             return k
         if not self.floored:
             self.floored = True
             # leaving drafting: the first probe waits until its cost is about PROBE_SHARE of the wait
-            plain, one = self.seconds[0], self.round_time(1)  # (both measured by now)
-            if one is not None and plain > 0:
-                wait = math.ceil(max(one - plain, 0.0) / (PROBE_SHARE * plain))
+            one = self.round_time(1)  # (in plain steps)
+            if one is not None:
+                wait = math.ceil(max(one - 1.0, 0.0) / PROBE_SHARE)
                 self.interval = min(max(FIRST_INTERVAL, wait), MOST_INTERVAL)
         if self.plain_run >= self.interval and not self.retired:
             self.probing, self.waited = True, self.plain_run
