@@ -26,7 +26,8 @@ Fix
     generator, as before.
     ``MLX_LM_PATCHES_ADAPTIVE_DRAFTING=0`` turns it off (``k`` fixed as in stock mlx-lm); with
     ``logits_processors`` or ``max_tokens < 0`` the loop also runs as it is (its history of
-    tokens for processors does not survive a restart).
+    tokens for processors does not survive a restart), and in a distributed group of more than
+    one rank (each rank would choose from its own timings; the ranks must run the same passes).
 
 Affected
     Every supported release (0.28.4 - 0.32.2): a feature mlx-lm does not have; the probe decides
@@ -47,6 +48,8 @@ from mlx_lm_patches.engine.contract import Outcome, missing
 
 GENERATE = "mlx_lm.generate"
 CACHE = "mlx_lm.models.cache"
+# set by mlx.launch (ring, jaccl) and MPI launchers in each rank's environment
+LAUNCHED = ("MLX_RANK", "MLX_HOSTFILE", "MLX_JACCL_COORDINATOR", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
 
 
 def enabled() -> bool:
@@ -104,9 +107,24 @@ def _adaptive(wrapped, instance, args, kwargs):
     max_tokens = arguments.get("max_tokens", 256)
     schedule = forced_schedule()
     if (not enabled() and schedule is None) or most <= 0 or arguments.get("logits_processors") \
-            or max_tokens is None or max_tokens < 0:
+            or max_tokens is None or max_tokens < 0 or _distributed():
         return wrapped(*args, **kwargs)
     return _segments(wrapped, bound, most, max_tokens, schedule)
+
+
+def _distributed() -> bool:
+    """Ranks of a distributed model must run the same passes: each would choose from its own
+    timings, so the draft length stays fixed there (not synchronised yet)."""
+    import os
+
+    import mlx.core as mx
+
+    if not any(os.environ.get(name) for name in LAUNCHED):
+        return False  # not started by a distributed launcher: no group to ask (init() is not free)
+    try:
+        return bool(mx.distributed.is_available()) and mx.distributed.init().size() > 1
+    except Exception:  # no usable backend: a single process
+        return False
 
 
 def _segments(wrapped, bound, most, max_tokens, schedule):
