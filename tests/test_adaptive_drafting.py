@@ -154,7 +154,7 @@ def _draft_calls(monkeypatch, setting):
     from mlx_lm.generate import speculative_generate_step
 
     monkeypatch.setenv(env.ADAPTIVE_DRAFTING, setting)
-    return count(speculative_generate_step)
+    return count(speculative_generate_step, limit=100)
 
 
 def test_a_draft_never_accepted_stops_being_asked(monkeypatch):

@@ -29,7 +29,7 @@ import threading
 
 DECAY = 0.9  # weight kept by older acceptance observations per new one (about 10 remembered)
 PRIOR = (0.5, 1.0)  # (accepted, seen) pseudo-counts: an estimate of 1/2 before anything is seen
-TIME_WEIGHT = 0.3  # weight of a new round time in a k's running estimate
+RECENT = 8  # round times kept per k (the estimate is their least)
 FIRST_INTERVAL = 4  # plain rounds before the first probe
 PROBE_SHARE = 0.01  # the probes' extra cost kept near this share of the plain rounds' time
 MOST_INTERVAL = 256  # plain rounds between probes at most: how long a return of acceptance may wait
@@ -74,9 +74,10 @@ class Controller:
         self.rounds = 0
         self.accepted = 0.0  # decayed counts
         self.rejected = 0.0
-        self.seconds = {}  # running estimates: k = 0 a plain round's seconds; k > 0 in plain rounds
+        self.seconds = {}  # k -> a round's seconds (the least of the recent ones)
         self.after_rejection = False  # the last round drafted and had a draft token rejected
-        self.rollback = None  # running estimate of what a rejected round adds to the next one (plain rounds)
+        self.rollback = None  # seconds a rejected round adds to the next one
+        self.recent = {}  # k (or "rollback") -> the last RECENT values
         self.plain_run = 0  # plain rounds since the last round that drafted
         self.interval = FIRST_INTERVAL
         self.probing = False  # the next round is a probe
@@ -112,7 +113,7 @@ class Controller:
                 plain = self.seconds.get(0)
                 if seconds and plain:
                     # the probe's extra cost, kept near PROBE_SHARE of the plain rounds between probes
-                    extra = max(seconds + catch_up - plain, 0.0) + (self.rollback or 0.0) * plain
+                    extra = max(seconds + catch_up - plain, 0.0) + (self.rollback or 0.0)
                     if self.waited >= MOST_INTERVAL and extra > RETIRE_SHARE * plain * self.waited:
                         # keeping the draft in step costs too much by itself (its catch-up grows
                         # with the wait): plain decoding for the rest of the sequence
@@ -128,38 +129,33 @@ class Controller:
         after_rejection, self.after_rejection = self.after_rejection, k > 0 and kept < k
         if seconds is None or seconds <= 0:
             return
-        plain = self.seconds.get(0)
         if not after_rejection:
-            if k == 0:
-                self._record(0, seconds)
-            elif plain:
-                self._record(k, seconds / plain)
-        elif plain and (k == 0 or k in self.seconds):
-            usual = 1.0 if k == 0 else self.seconds[k]
-            extra = max(seconds / plain - usual, 0.0)
-            old = self.rollback
-            self.rollback = extra if old is None else (1 - TIME_WEIGHT) * old + TIME_WEIGHT * extra
+            self._record(k, seconds)
+        elif k in self.seconds:
+            self._record("rollback", max(seconds - self.seconds[k], 0.0))
+            self.rollback = self.seconds.pop("rollback")
 
-    def _record(self, k, seconds):
-        old = self.seconds.get(k)
-        self.seconds[k] = seconds if old is None else (1 - TIME_WEIGHT) * old + TIME_WEIGHT * seconds
+    def _record(self, k, value):
+        """The estimate is the least of the last ``RECENT`` values: another process's load only
+        ever adds time to a round, so the least is the round's own cost (and it follows a
+        lasting change within ``RECENT`` rounds)."""
+        recent = self.recent.setdefault(k, [])
+        recent.append(value)
+        del recent[:-RECENT]
+        self.seconds[k] = min(recent)
 
     # -- what to do next -----------------------------------------------------------------------
 
     def round_time(self, k):
-        """A round's time in plain steps: measured, or on the line through the plain step and the
-        measured draft lengths. (Kept relative to the plain step measured at the same time, so
-        that a change of the machine's load moves every estimate together.)"""
-        if 0 not in self.seconds:
-            return None
-        if k == 0:
-            return 1.0
+        """A round's time: measured, or on the line through the plain round and the measured
+        draft lengths."""
         if k in self.seconds:
             return self.seconds[k]
-        slopes = [(t - 1.0) / j for j, t in self.seconds.items() if j]
-        if not slopes:
+        plain = self.seconds.get(0)
+        slopes = [(t - plain) / j for j, t in self.seconds.items() if j and plain is not None]
+        if plain is None or not slopes:
             return None
-        return 1.0 + k * max(sum(slopes) / len(slopes), 0.0)
+        return plain + k * max(sum(slopes) / len(slopes), 0.0)
 
     def best(self):
         """The draft length with the most expected tokens per second (0 when unsure)."""
@@ -204,9 +200,9 @@ class Controller:
         if not self.floored:
             self.floored = True
             # leaving drafting: the first probe waits until its cost is about PROBE_SHARE of the wait
-            one = self.round_time(1)  # (in plain steps)
-            if one is not None:
-                wait = math.ceil(max(one - 1.0, 0.0) / PROBE_SHARE)
+            plain, one = self.seconds[0], self.round_time(1)  # (both measured by now)
+            if one is not None and plain > 0:
+                wait = math.ceil(max(one + (self.rollback or 0.0) - plain, 0.0) / (PROBE_SHARE * plain))
                 self.interval = min(max(FIRST_INTERVAL, wait), MOST_INTERVAL)
         if self.plain_run >= self.interval and not self.retired:
             self.probing, self.waited = True, self.plain_run

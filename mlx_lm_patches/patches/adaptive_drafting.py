@@ -75,8 +75,8 @@ class _Main:
 
 
 class _Draft(_Main):
-    """The draft model for one segment: its first call is preceded by the tokens it missed
-    (``lag``, decoded while no draft ran), in one forward pass; ``catch_up_s`` times it."""
+    """The draft model for one segment: its first call is preceded by a forward pass over the
+    tokens it missed (``lag``, decoded while no draft ran); ``catch_up_s`` times that pass."""
 
     def __init__(self, model, caches, lag):
         super().__init__(model, caches)
@@ -90,11 +90,10 @@ class _Draft(_Main):
 
         start = time.perf_counter()
         lag, self.lag = self.lag, None
-        inputs = mx.concatenate([mx.array([lag], inputs.dtype), inputs], axis=1)
-        out = self._model(inputs, cache=cache, **kwargs)
-        mx.eval(out)
+        mx.eval(self._model(mx.array([lag], inputs.dtype), cache=cache, **kwargs))
+        mx.eval([c.state for c in cache])
         self.catch_up_s = time.perf_counter() - start
-        return out
+        return self._model(inputs, cache=cache, **kwargs)
 
 
 def _adaptive(wrapped, instance, args, kwargs):
@@ -199,9 +198,10 @@ def _segments(wrapped, bound, most, max_tokens, schedule):
             steps.close()
 
 
-def _draft_calls(wrapped):
+def _draft_calls(wrapped, limit=12):
     """Draft calls of ``wrapped`` (the loop, however wrapped) over 24 tokens with a draft that is
-    never accepted and costs more than the main model (4 ms a call), ``num_draft_tokens=2``."""
+    never accepted and costs more than the main model (10 ms a call), ``num_draft_tokens=2``;
+    counting stops past ``limit``."""
     import mlx.core as mx
 
     kv_cache = sys.modules[CACHE].KVCache
@@ -220,14 +220,16 @@ def _draft_calls(wrapped):
             n = inputs.shape[1]
             if self.count:  # a draft step that costs more than the main model's
                 calls[0] += 1
-                time.sleep(0.004)
+                time.sleep(0.01)
             cache[0].update_and_fetch(mx.zeros((1, 1, n, 1)), mx.zeros((1, 1, n, 1)))
             return mx.broadcast_to(mx.array([0.0] * 4).at[self.token].add(4.0), (1, n, 4))
 
     steps = wrapped(mx.array([1, 2], mx.uint32), Predicts(0), Predicts(1, count=True),
                     num_draft_tokens=2, max_tokens=24)
     for _ in steps:
-        pass
+        if calls[0] > limit:  # enough to tell
+            break
+    steps.close()
     return calls[0]
 
 
@@ -271,4 +273,4 @@ def scenario():
         return Outcome.failure(f"a draft never accepted was called {calls} times for 24 tokens")
     return Outcome(True, "the draft length adapts; output equal to greedy decoding whatever the schedule",
                    [f"{main_type}, schedule 2, 2, 0, 0, 1, 0, 2, 1: equal to greedy decoding",
-                    f"a draft never accepted: {calls} draft calls for 24 tokens (stock mlx-lm: 48)"])
+                    f"a draft never accepted: {calls} draft calls for 24 tokens (stock mlx-lm: 47-48)"])
