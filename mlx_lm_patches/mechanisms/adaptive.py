@@ -7,8 +7,8 @@
   when ``n < k``, one rejected; what comes after the first rejection is never seen);
 * the time of a round of each ``k`` measured in this run (the seconds spent inside the
   speculative loop for the round: draft steps, the verify pass of ``k + 1`` tokens), ``k = 0``
-  being a plain decoding step; a ``k`` not measured yet is estimated on a line through the
-  plain step and the measured ones; and the rollback of a rejected round (what the round after
+  being a plain decoding step (a longer ``k`` not measured yet is taken to cost what the longest
+  measured one below it costs, so it is tried once where its tokens would pay); and the rollback of a rejected round (what the round after
   it takes over its usual time: a hybrid re-runs the kept tokens in front of the next verify
   pass). No constant of any machine.
 
@@ -147,11 +147,16 @@ class Controller:
     # -- what to do next -----------------------------------------------------------------------
 
     def round_time(self, k):
-        """A round's time: measured, or on the line through the plain round and the measured
-        draft lengths."""
+        """A round's time: measured; a longer draft not measured yet is taken to cost what the
+        longest measured one below it costs (optimistic: it is tried once where its tokens
+        would pay, then measured - a verify pass of a few more tokens often costs little more);
+        a shorter one lies on the line through the plain round and the measured lengths."""
         if k in self.seconds:
             return self.seconds[k]
         plain = self.seconds.get(0)
+        below = [j for j in self.seconds if 0 < j < k]
+        if below:
+            return self.seconds[max(below)]
         slopes = [(t - plain) / j for j, t in self.seconds.items() if j and plain is not None]
         if plain is None or not slopes:
             return None
