@@ -315,10 +315,21 @@ def speculate(model, draft, prompt, tokens, k):
     return Decoded(out, logprobs), flags
 
 
-def measured_ratio(model, make_draft, prompt, ref, k, args):
-    """(ratio, accepted / drafted, exact) of speculation with draft length ``k`` vs greedy."""
+def adaptive_drafting(on):
+    """Turn the ``adaptive-drafting`` patch's choice of k on or off (its environment variable)."""
+    import os
+
+    from mlx_lm_patches.engine import env
+
+    os.environ[env.ADAPTIVE_DRAFTING] = "1" if on else "0"
+
+
+def measured_ratio(model, make_draft, prompt, ref, k, args, adaptive=False):
+    """(ratio, accepted / drafted, exact) of speculation with draft length ``k`` vs greedy
+    (``adaptive``: k is the most per round, the adaptive-drafting patch chooses)."""
     from mlx_lm_patches.demos.scenarios import greedy
 
+    adaptive_drafting(adaptive)
     draft = make_draft()
     speculate(model, draft, prompt, 4, k)  # warm-up
     t_ref = t_spec = float("inf")
@@ -331,8 +342,11 @@ def measured_ratio(model, make_draft, prompt, ref, k, args):
         start = time.perf_counter()
         got, flags = speculate(model, draft, prompt, args.tokens, k)
         t_spec = min(t_spec, time.perf_counter() - start)
+    adaptive_drafting(True)
     # a round ends with the main model's own token, except a last round cut by max_tokens
     rounds = len(flags) - sum(flags) + (1 if flags and flags[-1] else 0)
+    if adaptive:  # the rounds' draft lengths are not known here: the share of tokens drafted
+        return t_ref / t_spec, sum(flags) / max(len(flags), 1), ref.compare(got) is None
     return t_ref / t_spec, sum(flags) / max(rounds * k, 1), ref.compare(got) is None
 
 
@@ -341,20 +355,31 @@ def sweep(label, model, make_draft, draft_cost, costs, prompt, ref, args):
     print(f"\n  {label}: ratio speculation / plain greedy, measured (modelled), exact; {args.tokens} tokens, "
           f"best of {args.repeats}")
     print(f"  {'accept':>6} {'a meas':>6} " + " ".join(f"{f'k={k}':>17}" for k in ks)
-          + f" {'best fixed k':>13} {'oracle k (model)':>17}")
+          + f" {'best fixed k':>13} {'oracle k (model)':>17}"
+          + (f" {f'adaptive (k<={max(ks)})':>20} {'/plain':>6} {'/best':>6} {'drafted':>7}" if args.adaptive else ""))
     for share in args.accept:
         hint = accepts(share)
         cells, rates = [], []
         for k in ks:
             ratio, rate, exact = measured_ratio(model, lambda: make_draft(hint), prompt, ref, k, args)
-            cells.append((k, ratio, modelled(share, k, draft_cost, costs), exact))
+            cells.append((k, ratio, modelled(share, k, draft_cost, costs) if costs else float("nan"), exact))
             rates.append(rate)
         best_k, best = max(((k, r) for k, r, _, _ in cells), key=lambda kr: kr[1])
-        oracle_k, oracle = max(((k, modelled(share, k, draft_cost, costs)) for k in (0, *range(1, max(ks) + 1))),
-                               key=lambda kr: kr[1])
+        if costs:
+            oracle_k, oracle = max(((k, modelled(share, k, draft_cost, costs)) for k in (0, *range(1, max(ks) + 1))),
+                                   key=lambda kr: kr[1])
+            oracle_shown = f"k={oracle_k} {oracle:.2f}x"
+        else:
+            oracle_shown = "-"
         shown = " ".join(f"{r:>5.2f}x ({m:>4.2f}) {'ok' if e else 'NO':>2}" for _, r, m, e in cells)
-        print(f"  {share:>6.0%} {sum(rates) / len(rates):>6.0%} {shown} {f'k={best_k} {best:.2f}x':>13} "
-              f"{f'k={oracle_k} {oracle:.2f}x':>17}")
+        line = (f"  {share:>6.0%} {sum(rates) / len(rates):>6.0%} {shown} {f'k={best_k} {best:.2f}x':>13} "
+                f"{oracle_shown:>17}")
+        if args.adaptive:
+            ratio, drafted, exact = measured_ratio(model, lambda: make_draft(hint), prompt, ref, max(ks), args,
+                                                   adaptive=True)
+            line += (f" {f'{ratio:.2f}x':>17} {'ok' if exact else 'NO':>2} {ratio:>5.2f}x "
+                     f"{ratio / max(best, 1.0):>5.2f}x {drafted:>7.0%}")
+        print(line)
 
 
 def run_family(family, args):
@@ -386,6 +411,23 @@ def run_family(family, args):
     ks = range(1, max(args.ks) + 1)
     print("    k                " + " ".join(f"{k:>5}" for k in ks))
     print("    verify of k+1    " + " ".join(f"{costs.verify(k + 1):>5.2f}" for k in ks))
+    if args.no_model:
+        print("    (rollback costs and the modelled ratios left out: --no-model)")
+    else:
+        print_rollback(costs, ks)
+
+    model_costs = None if args.no_model else costs
+    sweep(f"draft model ({draft_cost:.2f} main step)", model,
+          lambda hint: HintedDraft(draft_model, sequence, hint), draft_cost, model_costs, prompt, ref, args)
+
+    mtp_cost = costs.mtp_step()  # installs the head's capture on the main model from here on
+    print(f"\n    MTP head step    {mtp_cost:>5.2f}")
+    sweep(f"MTP head ({mtp_cost:.2f} main step)", model,
+          lambda hint: hinted_draft(model, sequence, hint=hint), mtp_cost, model_costs, prompt, ref, args)
+    mx.clear_cache()
+
+
+def print_rollback(costs, ks):
     print("    rollback         " + " ".join(f"{costs.rollback(k):>5.2f}" for k in ks), end="")
     if any(costs.replayed[k] for k in ks):
         print("  (first draft rejected: state restore", " ".join(f"{costs.rejected(k, 1)[0]:.2f}" for k in ks),
@@ -393,15 +435,6 @@ def run_family(family, args):
               " ".join(f"{costs.rejected(k, 1)[1]:.2f}" for k in ks) + ")")
     else:
         print("  (first draft rejected: caches trimmed, no model call)")
-
-    sweep(f"draft model ({draft_cost:.2f} main step)", model,
-          lambda hint: HintedDraft(draft_model, sequence, hint), draft_cost, costs, prompt, ref, args)
-
-    mtp_cost = costs.mtp_step()  # installs the head's capture on the main model from here on
-    print(f"\n    MTP head step    {mtp_cost:>5.2f}")
-    sweep(f"MTP head ({mtp_cost:.2f} main step)", model,
-          lambda hint: hinted_draft(model, sequence, hint=hint), mtp_cost, costs, prompt, ref, args)
-    mx.clear_cache()
 
 
 def main():
@@ -417,6 +450,10 @@ def main():
     parser.add_argument("--context", type=int, default=128, help="tokens before the cost measurements")
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--cost-repeats", type=int, default=9, help="timings per cost (median)")
+    parser.add_argument("--no-model", action="store_true",
+                        help="leave out the rollback costs and the modelled ratios (much faster)")
+    parser.add_argument("--no-adaptive", dest="adaptive", action="store_false",
+                        help="leave out the adaptive column (adaptive-drafting patch, k <= max of --ks)")
     parser.add_argument("--quick", action="store_true",
                         help="smoke setting (< 60 s of CPU): qwen3_5 unless --families, 8 tokens, one "
                         "repeat, accept 0 1, k 1 3, context 16, 3 timings per cost")

@@ -38,6 +38,7 @@ def _status(args) -> int:
         "gate": {"rule": eng.gate_rule(), "text": eng.gate_text()},
         "warnings": eng.warnings(),
         "matrix": str(eng.matrix.path),
+        "adaptive_drafting": adaptive_drafting_line(rows),
         "patches": [r.to_dict() for r in rows],
     }
     if args.json:
@@ -67,7 +68,8 @@ def format_status(info, rows, verbose=False) -> str:
              f"activation: {info['activation']}",
              f"gate: {info['gate']['text']}",
              *(f"warning: {warning}" for warning in info["warnings"]),
-             f"matrix: {info['matrix']}"]
+             f"matrix: {info['matrix']}",
+             *([info["adaptive_drafting"]] if info.get("adaptive_drafting") else [])]
     lines = [wrapped for line in lines for wrapped in textwrap.wrap(line, WIDTH, subsequent_indent="  ")]
     width = max((len(r.id) for r in rows), default=2)
     more = dict(width=WIDTH, initial_indent="      ", subsequent_indent="      ")
@@ -82,6 +84,21 @@ def format_status(info, rows, verbose=False) -> str:
         if verbose and r.metal:
             lines += textwrap.wrap(f"Metal: {r.metal}", **more)
     return "\n".join(lines)
+
+
+def adaptive_drafting_line(rows=None) -> str:
+    """Whether speculative decoding adapts its draft length (patch ``adaptive-drafting`` and
+    ``MLX_LM_PATCHES_ADAPTIVE_DRAFTING``), as one line."""
+    from mlx_lm_patches.engine import core as engine
+    from mlx_lm_patches.engine import env
+
+    rows = rows if rows is not None else engine.get().rows()
+    state = next((r.state for r in rows if r.id == "adaptive-drafting"), "unknown")
+    if state != "applied":
+        return f"adaptive drafting: off (patch adaptive-drafting {state}; num_draft_tokens fixed)"
+    if not env.setting(env.ADAPTIVE_DRAFTING):
+        return f"adaptive drafting: off ({env.ADAPTIVE_DRAFTING}=0; num_draft_tokens fixed)"
+    return f"adaptive drafting: on (draft tokens per round 0..num_draft_tokens; {env.ADAPTIVE_DRAFTING}=0 turns it off)"
 
 
 def armed_by():

@@ -18,6 +18,16 @@ from support.counting import CountingModel
 from support.references import greedy_of
 
 
+
+@pytest.fixture(autouse=True)
+def _fixed_draft_length(monkeypatch):
+    """These tests follow the draft round by round at a fixed ``num_draft_tokens`` (which MTP
+    layers draft, what each proposal is): adaptive drafting off (its schedules are tested in
+    test_adaptive_drafting.py, MTP included)."""
+    from mlx_lm_patches.engine import env
+
+    monkeypatch.setenv(env.ADAPTIVE_DRAFTING, "0")
+
 FAMILIES = [f for f in MTP_MODEL_TYPES
             if importlib.util.find_spec(f"mlx_lm.models.{f}") is not None]
 

@@ -33,6 +33,15 @@ from mlx_lm_patches.demos.scenarios import greedy, prompt_tokens
 from mlx_lm_patches.demos.tiny_models import build_tiny_model
 
 
+
+@pytest.fixture(autouse=True)
+def _fixed_draft_length(monkeypatch):
+    """Proposals are followed round by round at a fixed ``num_draft_tokens``: adaptive drafting
+    off (its schedules are tested in test_adaptive_drafting.py)."""
+    from mlx_lm_patches.engine import env
+
+    monkeypatch.setenv(env.ADAPTIVE_DRAFTING, "0")
+
 FAMILIES = [f for f in DEEPSEEK_LAYOUT + ("mimo", "ernie4_5_moe", "exaone_moe", "mimo_v2_flash", "step3p5",
                                           "bailing_moe_v3", "longcat_flash", "longcat_flash_ngram")
             if importlib.util.find_spec(f"mlx_lm.models.{f}") is not None]

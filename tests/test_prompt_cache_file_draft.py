@@ -54,9 +54,13 @@ def test_speculation_on_a_prompt_cache_file_equals_plain_decoding_on_it(tmp_path
         assert problem is None, problem
 
 
-def test_the_draft_cache_holds_the_files_tokens(tmp_path):
+def test_the_draft_cache_holds_the_files_tokens(tmp_path, monkeypatch):
     """The rebuilt draft cache equals the draft's own cold prefill of the system prompt: an
-    agreeing draft (the main model itself) has every proposal accepted."""
+    agreeing draft (the main model itself) has every proposal accepted (three drafts a round:
+    adaptive drafting off)."""
+    from mlx_lm_patches.engine import env
+
+    monkeypatch.setenv(env.ADAPTIVE_DRAFTING, "0")
     model = build_tiny_model("llama", seed=1)
     path = tmp_path / "system.safetensors"
     _cache_prompt(model, path)

@@ -24,6 +24,7 @@ DEBUG = "MLX_LM_PATCHES_DEBUG"
 CHILDREN = "MLX_LM_PATCHES_CHILDREN"
 ROLLBACK_SNAPSHOTS = "MLX_LM_PATCHES_ROLLBACK_SNAPSHOTS"
 PREFIX_CHECKPOINTS = "MLX_LM_PATCHES_PREFIX_CHECKPOINTS"
+ADAPTIVE_DRAFTING = "MLX_LM_PATCHES_ADAPTIVE_DRAFTING"
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -114,6 +115,11 @@ VARIABLES = {v.name: v for v in (
     Variable(PREFIX_CHECKPOINTS, _parse_non_negative, 8,
              "a non-negative integer (0 turns it off)",
              "Most recurrent states kept per sequence for exact prefix reuse of hybrid models."),
+    Variable(ADAPTIVE_DRAFTING, _parse_flag, True, _FLAG_VALUES,
+             "Speculative decoding chooses the draft tokens of each round (0 to "
+             "``num_draft_tokens``) from the acceptance and the costs it measures (patch "
+             "``adaptive-drafting``). ``0``: every round drafts ``num_draft_tokens``, as in stock "
+             "mlx-lm."),
 )}
 ALL_VARIABLES = tuple(VARIABLES)
 

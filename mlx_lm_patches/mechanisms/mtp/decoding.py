@@ -496,6 +496,8 @@ class MTPDraft:
     own tokens fill the rest for the round and are dropped at the next. Steps past the last
     layer recycle the last layer's output."""
 
+    follows_main_model = True  # catches up from the main model's recorded passes (adaptive drafting)
+
     def __init__(self, model, hidden=None, fusion=None):
         hidden = hidden or getattr(family_of(model), "HIDDEN", "post")  # the family's, by default
         if hidden not in HIDDEN_KINDS:

@@ -1,0 +1,268 @@
+"""Speculative decoding chooses how many tokens to draft each round, so turning it on never loses.
+
+Bug
+    mlx-lm's ``speculative_generate_step`` (``stream_generate(draft_model=...)``,
+    ``mlx_lm.generate --draft-model``, ``mlx_lm.server --draft-model``, MTP drafts) drafts
+    ``num_draft_tokens`` tokens in every round whatever the draft's acceptance: with a draft
+    that is rarely accepted, or one that costs nearly what the main model costs, or on a machine
+    where a verify pass of several tokens is not much cheaper than that many steps (CPU, M1/M2),
+    speculation runs at a fraction of plain decoding (0.2x measured on a hybrid with a draft
+    never accepted). Nothing adapts; users pick ``--num-draft-tokens`` once.
+
+Fix
+    The innermost layer on ``speculative_generate_step`` runs mlx-lm's own loop in segments on
+    the same caches: before each round a controller (``mechanisms/adaptive.py``) picks ``k`` in
+    ``0..num_draft_tokens`` from the acceptance seen in this sequence and the round times
+    measured in this run; when it changes ``k`` the running loop is closed at the end of a round
+    (mlx-lm's own ``finally`` rewinds the caches as after any round) and a new one starts with
+    the last token as its prompt. ``k = 0`` runs the loop with no draft: a plain step of the main
+    model per round (its own single-token verify pass); every so often a probe round drafts one
+    token, less often while probes fail. A separate draft model catches up on the tokens it
+    missed with one forward pass in front of its next draft step; an MTP draft follows the main
+    model's recorded passes on its own. Every token is still verified by the main model in the
+    same loop, so the output is unchanged: greedy tokens equal, log-probabilities within
+    rounding of plain decoding, whatever the schedule. The wrappers outside (prompt-cache split
+    and sync, rollback journals and their budget, kv options, prompt-cache files) see one
+    generator, as before.
+    ``MLX_LM_PATCHES_ADAPTIVE_DRAFTING=0`` turns it off (``k`` fixed as in stock mlx-lm); with
+    ``logits_processors`` or ``max_tokens < 0`` the loop also runs as it is (its history of
+    tokens for processors does not survive a restart), and in a distributed group of more than
+    one rank (each rank would choose from its own timings; the ranks must run the same passes).
+
+Retire
+    When mlx-lm's speculative loop adapts its draft length by itself.
+"""
+
+import sys
+import time
+
+from mlx_lm_patches.engine.contract import Outcome, missing
+
+GENERATE = "mlx_lm.generate"
+CACHE = "mlx_lm.models.cache"
+# set by mlx.launch (ring, jaccl) and MPI launchers in each rank's environment
+LAUNCHED = ("MLX_RANK", "MLX_HOSTFILE", "MLX_JACCL_COORDINATOR", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+
+
+def enabled() -> bool:
+    from mlx_lm_patches.engine import env
+
+    return bool(env.setting(env.ADAPTIVE_DRAFTING))
+
+
+class _Main:
+    """The main model for one segment of the loop: ``make_cache()`` gives the sequence's caches."""
+
+    def __init__(self, model, caches):
+        self._model, self._caches = model, caches
+
+    def make_cache(self):
+        return self._caches
+
+    def __call__(self, *args, **kwargs):
+        return self._model(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+
+class _Draft(_Main):
+    """The draft model for one segment: its first call is preceded by a forward pass over the
+    tokens it missed (``lag``, decoded while no draft ran); ``catch_up_s`` times that pass."""
+
+    def __init__(self, model, caches, lag):
+        super().__init__(model, caches)
+        self.lag = lag
+        self.catch_up_s = 0.0
+
+    def __call__(self, inputs, cache=None, **kwargs):
+        if not self.lag:
+            return self._model(inputs, cache=cache, **kwargs)
+        import mlx.core as mx
+
+        start = time.perf_counter()
+        lag, self.lag = self.lag, None
+        mx.eval(self._model(mx.array([lag], inputs.dtype), cache=cache, **kwargs))
+        mx.eval([c.state for c in cache])
+        self.catch_up_s = time.perf_counter() - start
+        return self._model(inputs, cache=cache, **kwargs)
+
+
+def _adaptive(wrapped, instance, args, kwargs):
+    from mlx_lm_patches.mechanisms.adaptive import forced_schedule
+    from mlx_lm_patches.mechanisms.calls import bind_arguments
+
+    bound = bind_arguments(wrapped, args, kwargs)
+    arguments = bound.arguments
+    most = int(arguments.get("num_draft_tokens") or 0)
+    max_tokens = arguments.get("max_tokens", 256)
+    schedule = forced_schedule()
+    if (not enabled() and schedule is None) or most <= 0 or arguments.get("logits_processors") \
+            or max_tokens is None or max_tokens < 0 or _distributed():
+        return wrapped(*args, **kwargs)
+    return _segments(wrapped, bound, most, max_tokens, schedule)
+
+
+def _distributed() -> bool:
+    """Ranks of a distributed model must run the same passes: each would choose from its own
+    timings, so the draft length stays fixed there (not synchronised yet)."""
+    import os
+
+    import mlx.core as mx
+
+    if not any(os.environ.get(name) for name in LAUNCHED):
+        return False  # not started by a distributed launcher: no group to ask (init() is not free)
+    try:
+        return bool(mx.distributed.is_available()) and mx.distributed.init().size() > 1
+    except Exception:  # no usable backend: a single process
+        return False
+
+
+def _segments(wrapped, bound, most, max_tokens, schedule):
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlx_lm_patches.mechanisms.adaptive import Controller
+
+    arguments = bound.arguments
+    model, draft_model = arguments["model"], arguments["draft_model"]
+    prompt_cache = arguments.get("prompt_cache")
+    if prompt_cache is not None:  # split as mlx-lm's loop splits it (speculative-cache-split is outside)
+        main_caches = prompt_cache[: len(model.layers)]
+        draft_caches = prompt_cache[len(model.layers):]
+    else:
+        main_caches, draft_caches = make_prompt_cache(model), make_prompt_cache(draft_model)
+    follows = bool(getattr(draft_model, "follows_main_model", False))  # an MTP draft catches up itself
+    controller = Controller(most, schedule)
+    sequence = [int(t) for t in mx.array(arguments["prompt"]).reshape(-1).tolist()]
+    draft_seen = None  # positions of `sequence` the draft holds (None: the first segment's own count)
+    produced = 0
+    steps = None
+    first_segment = True
+    k = controller.choose(max_tokens)
+    try:
+        while produced < max_tokens:
+            lag = []
+            if not first_segment and not follows and k > 0 and draft_seen is not None:
+                lag = sequence[draft_seen:-1]
+            draft = _Draft(draft_model, draft_caches, lag)
+            arguments.update(model=_Main(model, main_caches), draft_model=draft, prompt_cache=None,
+                             num_draft_tokens=k, max_tokens=max_tokens - produced)
+            if not first_segment:
+                arguments["prompt"] = mx.array(sequence[-1:], mx.uint32)
+            steps = wrapped(*bound.args, **bound.kwargs)
+            timed = not first_segment
+            first_segment = False
+            # rounds of this segment, while the controller keeps k
+            while True:
+                kept, spent, round_over = 0, 0.0, False
+                while produced < max_tokens:
+                    start = time.perf_counter()
+                    item = next(steps, None)
+                    spent += time.perf_counter() - start
+                    if item is None:  # the loop ended (it never yields None)
+                        break
+                    produced += 1
+                    sequence.append(int(item[0]))
+                    yield item
+                    if not item[2]:
+                        round_over = True
+                        break
+                    kept += 1
+                if not round_over:  # max_tokens reached, or the loop ended
+                    return
+                catch_up, draft.catch_up_s = draft.catch_up_s, 0.0
+                controller.observe(k, kept, spent - catch_up if timed else None, catch_up)
+                timed = True
+                if k > 0:
+                    # the draft holds all but the main model's token (and, all accepted, the last draft)
+                    draft_seen = len(sequence) - 1 - (1 if kept == k else 0)
+                if produced >= max_tokens:
+                    return
+                chosen = controller.choose(max_tokens - produced)
+                if chosen != k:
+                    break
+            steps.close()
+            steps = None
+            k = chosen
+    finally:
+        if steps is not None:
+            steps.close()
+
+
+def _draft_calls(wrapped, limit=12):
+    """Draft calls of ``wrapped`` (the loop, however wrapped) over 24 tokens with a draft that is
+    never accepted and costs more than the main model (10 ms a call), ``num_draft_tokens=2``;
+    counting stops past ``limit``."""
+    import mlx.core as mx
+
+    kv_cache = sys.modules[CACHE].KVCache
+    calls = [0]
+
+    class Predicts:
+        layers = [None]
+
+        def __init__(self, token, count=False):
+            self.token, self.count = token, count
+
+        def make_cache(self):
+            return [kv_cache()]
+
+        def __call__(self, inputs, cache=None):
+            n = inputs.shape[1]
+            if self.count:  # a draft step that costs more than the main model's
+                calls[0] += 1
+                time.sleep(0.01)
+            cache[0].update_and_fetch(mx.zeros((1, 1, n, 1)), mx.zeros((1, 1, n, 1)))
+            return mx.broadcast_to(mx.array([0.0] * 4).at[self.token].add(4.0), (1, n, 4))
+
+    steps = wrapped(mx.array([1, 2], mx.uint32), Predicts(0), Predicts(1, count=True),
+                    num_draft_tokens=2, max_tokens=24)
+    for _ in steps:
+        if calls[0] > limit:  # enough to tell
+            break
+    steps.close()
+    return calls[0]
+
+
+def probe():
+    gone = missing(f"{CACHE}:KVCache")
+    if gone is not None:
+        return gone
+    calls = _draft_calls(sys.modules[GENERATE].speculative_generate_step)
+    if calls > 12:  # adapting: a few rounds with a draft, then plain steps and rare probes
+        return (f"speculative_generate_step drafted {calls} times for 24 tokens with a draft never "
+                "accepted (num_draft_tokens=2): the draft length does not adapt")
+    return None
+
+
+def apply(p):
+    p.wrap(f"{GENERATE}:speculative_generate_step", _adaptive)
+
+
+def scenario():
+    """A hybrid main model with a draft never accepted and a schedule forced through k = 2, 0, 1,
+    0, 2: equal to greedy decoding; unforced, the loop stops drafting."""
+    from mlx_lm_patches.demos.scenarios import greedy, prompt_tokens, speculative_greedy
+    from mlx_lm_patches.demos.tiny_models import DENSE_MODEL_TYPE, available_model_types, build_tiny_model
+    from mlx_lm_patches.mechanisms.adaptive import forced
+
+    main_type = "qwen3_next" if "qwen3_next" in available_model_types() else DENSE_MODEL_TYPE
+    model = build_tiny_model(main_type, seed=1)
+    draft = build_tiny_model(DENSE_MODEL_TYPE, seed=2)
+    prompt = prompt_tokens(13, seed=3)
+    reference = greedy(model, prompt, max_tokens=12)
+    try:
+        with forced([2, 2, 0, 0, 1, 0, 2, 1]):
+            got = speculative_greedy(model, draft, prompt, max_tokens=12, num_draft_tokens=2)
+    except Exception as exc:
+        return Outcome.failure(f"{main_type} with a forced schedule", exc)
+    problem = reference.compare(got)
+    if problem:
+        return Outcome.failure(f"{main_type}, draft lengths forced through 2, 0, 1, 0: {problem}")
+    calls = _draft_calls(sys.modules[GENERATE].speculative_generate_step)
+    if calls > 12:
+        return Outcome.failure(f"a draft never accepted was called {calls} times for 24 tokens")
+    return Outcome(True, "the draft length adapts; output equal to greedy decoding whatever the schedule",
+                   [f"{main_type}, schedule 2, 2, 0, 0, 1, 0, 2, 1: equal to greedy decoding",
+                    f"a draft never accepted: {calls} draft calls for 24 tokens (stock mlx-lm: 47-48)"])

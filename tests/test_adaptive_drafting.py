@@ -1,0 +1,209 @@
+"""Adaptive drafting (patch ``adaptive-drafting``): speculative decoding chooses the draft length
+of each round, and the output never moves.
+
+* Forced schedules (``mechanisms.adaptive.forced``) that switch ``k`` up and down, with runs of
+  ``k = 0`` and back, give greedy decoding's tokens and log-probabilities (1e-4): a hybrid
+  (qwen3_5: recurrent journal), sliding windows (``max_kv_size`` rotating caches, through the
+  same caches for the reference), a dense control; through ``speculative_generate_step``,
+  ``stream_generate(draft_model=...)``, with a separate draft model and with an MTP head.
+* The draft catches up exactly on what it missed at ``k = 0``: the main model as its own draft
+  has every draft token accepted whatever the schedule (a draft that missed or repeated a token
+  would propose other tokens).
+* A supplied prompt cache ends holding exactly the prompt and the generated tokens (the next
+  turn from it equals a cold prefill), also when the schedule ended at ``k = 0``.
+* Unforced, a draft never accepted stops being asked (few draft calls); with
+  ``MLX_LM_PATCHES_ADAPTIVE_DRAFTING=0`` every round drafts ``num_draft_tokens`` as in stock.
+"""
+
+import pytest
+
+import mlx_lm_patches
+from mlx_lm_patches.demos.scenarios import continue_after_speculation, greedy, prompt_tokens
+from mlx_lm_patches.demos.tiny_models import DENSE_MODEL_TYPE, available_model_types, build_tiny_model
+from mlx_lm_patches.mechanisms.adaptive import Controller, forced
+
+mlx_lm_patches.apply()
+
+import mlx.core as mx  # noqa: E402
+
+PATCH = "adaptive-drafting"
+HYBRID = "qwen3_5" if "qwen3_5" in available_model_types() else "qwen3_next"
+# up and down, runs of k = 0 (and one at the very end), single-round segments
+SCHEDULES = {"up-down": [3, 1, 0, 0, 2, 0, 3, 3, 1, 0, 0, 0, 2, 1, 0],
+             "zero-runs": [1, 0, 0, 0, 0, 3, 0, 0, 2, 2, 0]}
+TOKENS = 16
+
+
+def _speculate(model, draft, prompt, schedule, num_draft=3, max_tokens=TOKENS, **kwargs):
+    from mlx_lm.generate import speculative_generate_step
+
+    from mlx_lm_patches.demos.scenarios import Decoded
+
+    tokens, logprobs, flags = [], [], []
+    with forced(schedule):
+        for token, lp, from_draft in speculative_generate_step(
+                mx.array(prompt), model, draft, num_draft_tokens=num_draft, max_tokens=max_tokens, **kwargs):
+            tokens.append(int(token))
+            logprobs.append(lp)
+            flags.append(bool(from_draft))
+    mx.eval(logprobs)
+    return Decoded(tokens, logprobs), flags
+
+
+def _expected_accepted(schedule, most, max_tokens, first_rejected=False):
+    """Draft tokens yielded when every proposal is accepted (but the first round's, if
+    ``first_rejected``), under the controller's own caps."""
+    controller, produced, accepted = Controller(most, schedule), 0, 0
+    while produced < max_tokens:
+        k = controller.choose(max_tokens - produced)
+        kept = 0 if first_rejected and not produced else k
+        got = min(kept + 1, max_tokens - produced)
+        accepted += min(kept, got)
+        produced += got
+        controller.observe(k, kept)
+    return accepted
+
+
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+@pytest.mark.parametrize("main_type", [HYBRID, DENSE_MODEL_TYPE])
+def test_forced_schedules_equal_greedy(main_type, schedule):
+    """A rejecting dense draft and the main model as its own draft (all accepted)."""
+    model = build_tiny_model(main_type, seed=1)
+    prompt = prompt_tokens(13, seed=3)
+    reference = greedy(model, prompt, max_tokens=TOKENS)
+    for label, draft in (("rejecting draft", build_tiny_model(DENSE_MODEL_TYPE, seed=2)),
+                         ("self-draft", build_tiny_model(main_type, seed=1))):
+        got, flags = _speculate(model, draft, prompt, SCHEDULES[schedule])
+        assert reference.compare(got) is None, f"{label}: {reference.compare(got)}"
+        if label == "self-draft":  # the draft caught up exactly on the tokens decoded at k = 0
+            assert sum(flags) == _expected_accepted(SCHEDULES[schedule], 3, TOKENS), flags
+
+
+def test_sliding_windows_equal_generate_step():
+    """``max_kv_size`` windows (RotatingKVCache(8, keep=4)) on both models, the prompt and the
+    generation past the window, a hybrid main model; the reference decodes through the same
+    kind of caches."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model = build_tiny_model(HYBRID, seed=1)
+    draft = build_tiny_model(HYBRID, seed=1)
+    prompt = prompt_tokens(12, seed=5)
+    reference = greedy(model, prompt, max_tokens=TOKENS, prompt_cache=make_prompt_cache(model, max_kv_size=8))
+    for schedule in SCHEDULES.values():
+        cache = make_prompt_cache(model, max_kv_size=8) + make_prompt_cache(draft, max_kv_size=8)
+        got, _ = _speculate(model, draft, prompt, schedule, prompt_cache=cache)
+        assert reference.compare(got) is None, f"{schedule}: {reference.compare(got)}"
+
+
+@pytest.mark.parametrize("stop_after", [None, 9])
+def test_supplied_cache_holds_prompt_and_generated_tokens(stop_after):
+    """The schedule ends in a run of k = 0 (the draft far behind): both parts of the cache still
+    continue like a cold prefill."""
+    model, draft = build_tiny_model(HYBRID, seed=1), build_tiny_model(DENSE_MODEL_TYPE, seed=5)
+    with forced([2, 0, 1, 0, 0, 0, 0, 0]):
+        problem = continue_after_speculation(model, draft, max_tokens=12, stop_after=stop_after)
+    assert problem is None, problem
+
+
+def test_stream_generate_with_a_forced_schedule(tmp_path):
+    from mlx_lm import load
+    from mlx_lm.generate import stream_generate
+
+    from mlx_lm_patches.demos.model_folder import write_model_folder
+    from mlx_lm_patches.demos.tiny_models import tiny_config
+
+    model, tokenizer = load(str(write_model_folder(tmp_path / "m", build_tiny_model(HYBRID, seed=1),
+                                                   tiny_config(HYBRID))))
+    draft = build_tiny_model(HYBRID, seed=1)  # the same weights: accepted rounds too
+
+    def run(**kwargs):
+        return [(int(r.token), r.logprobs) for r in stream_generate(model, tokenizer, "a b c d e",
+                                                                    max_tokens=TOKENS, **kwargs)]
+
+    plain = run()
+    with forced(SCHEDULES["up-down"]):
+        got = run(draft_model=draft, num_draft_tokens=3)
+    assert [t for t, _ in got] == [t for t, _ in plain]
+    assert max(mx.abs(a - b).max().item() for (_, a), (_, b) in zip(plain, got)) <= 1e-4
+
+
+def test_mtp_head_with_a_forced_schedule(tmp_path):
+    """An MTP draft (a hybrid's head, hinted so that rounds accept) follows the main model's k = 0
+    steps on its own."""
+    from mlx_lm import load
+
+    from mlx_lm_patches.demos.mtp_checkpoints import write_mtp_checkpoint
+    from support.mtp_drafts import hinted_draft
+
+    family = next(f for f in ("qwen3_5", "qwen3_next", "deepseek_v3") if f in available_model_types())
+    model, _ = load(str(write_mtp_checkpoint(tmp_path, family, dtype="float32").folder))
+    prompt = prompt_tokens(13, seed=4)
+    reference = greedy(model, prompt, max_tokens=TOKENS)
+    sequence = prompt + reference.tokens
+    for schedule in SCHEDULES.values():
+        got, flags = _speculate(model, hinted_draft(model, sequence, hint=lambda t: True), prompt, schedule)
+        assert reference.compare(got) is None, f"{schedule}: {reference.compare(got)}"
+        # releases without a draft prefill hand the whole prompt to the first round's draft call:
+        # the head cannot draft before the model ran it, that round's proposals are rejected
+        assert sum(flags) == _expected_accepted(schedule, 3, TOKENS, first_rejected=not flags[0]), flags
+
+
+def _draft_calls(monkeypatch, setting):
+    from mlx_lm_patches.engine import env
+    from mlx_lm_patches.patches.adaptive_drafting import _draft_calls as count
+    from mlx_lm.generate import speculative_generate_step
+
+    monkeypatch.setenv(env.ADAPTIVE_DRAFTING, setting)
+    return count(speculative_generate_step, limit=100)
+
+
+def test_a_draft_never_accepted_stops_being_asked(monkeypatch):
+    assert _draft_calls(monkeypatch, "1") <= 12
+
+
+def test_off_switch_drafts_every_round(monkeypatch):
+    assert _draft_calls(monkeypatch, "0") >= 46  # 2 per round (the last round: 1), 24 rounds
+
+
+def test_controller_backs_off_and_returns():
+    """Costs as measured: a plain round 1.0, each draft token 0.5 more. At 0 % acceptance the
+    probes thin out (fewer than one round in 30 drafts); when acceptance returns the controller
+    drafts two or more tokens again within 300 rounds (the longest probe interval and a few
+    accepted probes)."""
+    controller = Controller(4)
+    drafted = 0
+    for r in range(200):
+        k = controller.choose()
+        drafted += k > 0
+        controller.observe(k, 0, 1.0 + 0.5 * k)
+    assert drafted < 200 / 30, drafted
+    for back in range(600):
+        k = controller.choose()
+        if k >= 2:
+            break
+        controller.observe(k, k, 1.0 + 0.5 * k)
+    assert back < 300, "acceptance returned, the controller did not draft again"
+
+
+def test_status_says_whether_it_is_on(monkeypatch):
+    from mlx_lm_patches.__main__ import adaptive_drafting_line
+    from mlx_lm_patches.engine import env
+
+    monkeypatch.setenv(env.ADAPTIVE_DRAFTING, "0")
+    assert "off" in adaptive_drafting_line()
+    monkeypatch.setenv(env.ADAPTIVE_DRAFTING, "1")
+    assert adaptive_drafting_line().startswith("adaptive drafting: on")
+
+
+def test_controller_retires_a_draft_whose_catch_up_alone_costs_too_much():
+    """0 % acceptance, and the draft's catch-up costs 5 % of a plain step per token missed: after
+    a probe at the longest wait the probes stop (at most 2 % of plain decoding spent on them)."""
+    controller = Controller(4)
+    waited, probes = 0, []
+    for r in range(1500):
+        k = controller.choose()
+        if k:
+            probes.append(r)
+        controller.observe(k, 0, 1.0 + 0.5 * k, catch_up=0.05 * waited if k else 0.0)
+        waited = 0 if k else waited + 1
+    assert controller.retired and probes[-1] < 1000, probes
