@@ -24,8 +24,8 @@ Tests force a schedule with :func:`forced` (``k`` per round, whatever the contro
 """
 
 import contextlib
+import contextvars
 import math
-import threading
 
 DECAY = 0.9  # weight kept by older acceptance observations per new one (about 10 remembered)
 PRIOR = (0.5, 1.0)  # (accepted, seen) pseudo-counts: an estimate of 1/2 before anything is seen
@@ -35,7 +35,7 @@ PROBE_SHARE = 0.01  # the probes' extra cost kept near this share of the plain r
 MOST_INTERVAL = 256  # plain rounds between probes at most: how long a return of acceptance may wait
 RETIRE_SHARE = 0.02  # a probe after the longest wait costing more than this share of it: no more probes
 
-_forced = threading.local()
+_forced = contextvars.ContextVar("mlx_lm_patches_forced_draft_lengths", default=None)
 
 
 @contextlib.contextmanager
@@ -46,16 +46,15 @@ def forced(schedule):
     ks = [int(k) for k in schedule]
     if not ks or min(ks) < 0:
         raise ValueError(f"forced schedule needs draft lengths >= 0, got {ks!r}")
-    previous = getattr(_forced, "ks", None)
-    _forced.ks = ks
+    token = _forced.set(ks)
     try:
         yield
     finally:
-        _forced.ks = previous
+        _forced.reset(token)
 
 
 def forced_schedule():
-    return getattr(_forced, "ks", None)
+    return _forced.get()
 
 
 def expected_tokens(a, k):
