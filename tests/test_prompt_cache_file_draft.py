@@ -11,6 +11,7 @@ the package (no tokens recorded) is refused at the first ``next()``, before any 
 """
 
 import importlib
+import json
 
 import pytest
 
@@ -93,3 +94,18 @@ def test_a_file_without_tokens_is_refused_before_the_first_token(tmp_path):
                                                prompt_cache=_load(path)[0])
     with pytest.raises(ValueError, match="re-create it with mlx_lm.cache_prompt"):
         next(steps)
+
+
+def test_the_file_records_its_tokens_after_revert_and_apply_again(tmp_path):
+    """``mlx_lm.cache_prompt`` binds ``generate_step`` when it is imported (here: before the
+    revert), so the wrapper it calls is the first application's; every application shares the
+    patch's state, so the file still records its tokens (it did not when each application had
+    its own ``memo``: a test that reverted every patch before broke the rest of this file)."""
+    import mlx_lm_patches
+
+    mlx_lm_patches.revert()
+    mlx_lm_patches.apply()
+    model = build_tiny_model("llama", seed=1)
+    path = tmp_path / "system.safetensors"
+    _cache_prompt(model, path)
+    assert json.loads(_load(path)[1][TOKENS_KEY]) == SYSTEM

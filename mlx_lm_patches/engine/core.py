@@ -84,6 +84,11 @@ class _Record:
     error: Optional[BaseException] = field(default=None, repr=False)
     applied_seq: int = 0  # order of application: revert undoes the latest first
     switch: Switch = field(default_factory=Switch, repr=False)  # read by every wrapper we installed
+    # the patch's ``p.memo``, one dict for every application (cleared by revert): a wrapper
+    # installed by an earlier application and still bound elsewhere (``from .generate import
+    # generate_step`` in a module imported meanwhile) runs again when the switch is back on,
+    # and must see the state the new wrappers see
+    memo: dict = field(default_factory=dict, repr=False)
 
     @property
     def active(self) -> bool:
@@ -304,7 +309,7 @@ class Engine:
                 self._set(rec, State.SKIPPED_PROBE, f"probe: {why}")
                 return
             patcher = Patcher(spec.id, spec.targets, rec.switch,
-                              outer=self.matrix.later_than(spec.id))
+                              outer=self.matrix.later_than(spec.id), memo=rec.memo)
             rec.patcher = patcher
             rec.active = True
             try:
