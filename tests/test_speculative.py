@@ -232,7 +232,16 @@ def test_a_prompt_cache_of_the_wrong_length_is_a_clear_error():
         speculative_greedy(model, draft, prompt_tokens(5), max_tokens=3, prompt_cache=make_prompt_cache(model))
 
 
-def test_a_rejected_draft_costs_no_extra_model_call():
+@pytest.fixture
+def fixed_draft_length(monkeypatch):
+    """Every round drafts ``num_draft_tokens`` (adaptive drafting off): for tests that count the
+    main model's passes per round (adaptive schedules: test_adaptive_drafting.py)."""
+    from mlx_lm_patches.engine import env
+
+    monkeypatch.setenv(env.ADAPTIVE_DRAFTING, "0")
+
+
+def test_a_rejected_draft_costs_no_extra_model_call(fixed_draft_length):
     """After a rejection the accepted tokens are re-run in front of the next verify pass, not in
     a pass of their own - unless the draft reads the main model in between (an MTP draft)."""
     model = build_tiny_model("qwen3_next", seed=1)
@@ -248,7 +257,7 @@ def test_a_rejected_draft_costs_no_extra_model_call():
     assert counts[False] < counts[True], counts
 
 
-def test_rejected_rounds_in_a_row_do_not_lengthen_the_verify_passes():
+def test_rejected_rounds_in_a_row_do_not_lengthen_the_verify_passes(fixed_draft_length):
     """Every round rejects its drafts (a random draft): the accepted tokens re-run in front of
     the next verify pass leave no kept state between them and that pass's own tokens, so the
     next rollback re-runs them again. The re-run is bounded (run at once past the journal
