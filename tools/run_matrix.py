@@ -311,9 +311,11 @@ def mark_upstream_rows(rows) -> None:
 
 
 def mark_mlx_twins(rows) -> None:
-    """``mlx_twin``: a row without further packages whose mlx-lm release has its own row (the
-    one that runs the upstream tests, with the release-time mlx): it only adds a newer mlx."""
-    own = {row["mlx_lm"] for row in rows if row["upstream_tests"]}
+    """``mlx_twin``: a row without further packages whose mlx-lm release has its own full row
+    (the one that runs the upstream tests, with the release-time mlx): it only adds a newer mlx,
+    and leaves the entry points (``release_only``) to that row. Where the release's own row is a
+    ``core`` one, the full row with the newer mlx runs them."""
+    own = {row["mlx_lm"] for row in rows if row["upstream_tests"] and row["suite"] == "full"}
     for row in rows:
         row["mlx_twin"] = not row["packages"] and not row["upstream_tests"] and row["mlx_lm"] in own
 
