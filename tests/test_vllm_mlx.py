@@ -131,13 +131,20 @@ def test_stock_batched_engine_is_wrong_where_affected(model_type, patch_id, disa
     assert json.loads(ran.stdout.strip().splitlines()[-1]) is None
 
 
+def _one_family_per_cache_layout():
+    from support.sweeps import representatives
+
+    return list(representatives(tuple(_families())))
+
+
 @pytest.mark.subprocess
-@pytest.mark.parametrize("model_type", list(_families()))
+@pytest.mark.parametrize("model_type", _one_family_per_cache_layout())
 def test_server_concurrent_chats_equal_the_references(model_type, tmp_path_factory):
     """``python -m vllm_mlx.server --continuous-batching`` (the package activated by its
     ``.pth``), chats of different lengths sent concurrently by the ``openai`` client: each
-    answer equals greedy decoding of its chat prompt alone - for every hybrid family of the
-    installed mlx-lm."""
+    answer equals greedy decoding of its chat prompt alone - for one hybrid family per cache
+    layout of the installed mlx-lm (every family goes through vllm-mlx's batched engine in
+    process: test_batched_engine_equals_each_prompt_alone)."""
     from support.chat_reference import chat_prompt
     from support.server import serve
 
