@@ -37,6 +37,7 @@ import sys
 import time
 
 from mlx_lm_patches.engine.contract import Outcome, missing
+from mlx_lm_patches.mechanisms.speculative import ModelWithCaches
 
 GENERATE = "mlx_lm.generate"
 CACHE = "mlx_lm.models.cache"
@@ -50,28 +51,12 @@ def enabled() -> bool:
     return bool(env.setting(env.ADAPTIVE_DRAFTING))
 
 
-class _Main:
-    """The main model for one segment of the loop: ``make_cache()`` gives the sequence's caches."""
-
-    def __init__(self, model, caches):
-        self._model, self._caches = model, caches
-
-    def make_cache(self):
-        return self._caches
-
-    def __call__(self, *args, **kwargs):
-        return self._model(*args, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self._model, name)
-
-
-class _Draft(_Main):
+class _Draft(ModelWithCaches):
     """The draft model for one segment: its first call is preceded by a forward pass over the
     tokens it missed (``lag``, decoded while no draft ran); ``catch_up_s`` times that pass."""
 
     def __init__(self, model, caches, lag):
-        super().__init__(model, caches)
+        super().__init__(model, caches, supplied=False)
         self.lag = lag
         self.catch_up_s = 0.0
 
@@ -146,7 +131,7 @@ def _segments(wrapped, bound, most, max_tokens, schedule):
             if not first_segment and not follows and k > 0 and draft_seen is not None:
                 lag = sequence[draft_seen:-1]
             draft = _Draft(draft_model, draft_caches, lag)
-            arguments.update(model=_Main(model, main_caches), draft_model=draft, prompt_cache=None,
+            arguments.update(model=ModelWithCaches(model, main_caches, supplied=False), draft_model=draft, prompt_cache=None,
                              num_draft_tokens=k, max_tokens=max_tokens - produced)
             if not first_segment:
                 arguments["prompt"] = mx.array(sequence[-1:], mx.uint32)
