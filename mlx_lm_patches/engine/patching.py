@@ -235,6 +235,18 @@ def layers(owner, attr) -> List[Op]:
         current = layer.original
 
 
+def beneath_layers(owner, attr):
+    """What ``owner.attr`` is under every live layer of ours (the stock object, or whatever
+    another library put there before us): for a patch that calls the function itself from inside
+    another patched call, where the other patches' wrappers must not run a second time."""
+    found = layers(owner, attr)
+    if not found:
+        return getattr(owner, attr)
+    if found[-1].original is MISSING:
+        raise AttributeError(f"{attr} is only there through a patch")
+    return found[-1].original
+
+
 def _links(obj) -> bool:
     """Whether ``obj`` calls what it sits on through a settable ``__wrapped__`` (a wrapt proxy of
     ours, a stacked property) rather than replacing it."""

@@ -2,23 +2,22 @@
 
 :class:`Controller` decides ``k`` in ``0..most`` before every round of a sequence from
 
-* the acceptance seen so far: a per-token acceptance estimate from decayed counts of accepted
-  and rejected draft tokens (a round of ``k`` drafts that keeps ``n`` shows ``n`` accepted and,
-  when ``n < k``, one rejected; what comes after the first rejection is never seen);
-* the time of a round of each ``k`` measured in this run (the seconds spent inside the
-  speculative loop for the round: draft steps, the verify pass of ``k + 1`` tokens), ``k = 0``
-  being a plain decoding step (a longer ``k`` not measured yet is taken to cost what the longest
-  measured one below it costs, so it is tried once where its tokens would pay); and the rollback of a rejected round (what the round after
-  it takes over its usual time: a hybrid re-runs the kept tokens in front of the next verify
-  pass). No constant of any machine.
+* the acceptance seen so far: a per-token estimate from decayed counts of accepted and rejected
+  draft tokens (a round of ``k`` drafts that keeps ``n`` shows ``n`` accepted and, when
+  ``n < k``, one rejected; what comes after the first rejection is never seen);
+* the time of a round of each ``k`` measured in this run (the median of the recent ones; ``k = 0``
+  is a plain decoding step), read off the line between measured lengths, and for a length longer
+  than every measured one taken as the longest's (so it is tried once where its tokens would
+  pay); the rollback of a rejected round; the draft's catch-up per token it missed while plain.
+  No constant of any machine.
 
 It picks the ``k`` with the most expected tokens per second,
-``E[tokens](k) / (time(k) + (1 - a^k) * rollback)`` with ``E[tokens](k) = (1 - a^(k+1)) / (1 - a)``. At ``k = 0`` it decodes plainly and probes now and
-then with one draft token: after ``interval`` plain rounds; a probe that is rejected doubles the
-interval (and the interval is at least what keeps the probes' measured extra cost near 1 % of
-the plain rounds between them; at most 256 rounds), an accepted one brings it back to the start.
-A probe rejected after the longest wait that still cost more than 2 % of that wait (a draft whose
-catch-up over the tokens it missed is itself that costly) ends the probing for the sequence.
+``E[tokens](k) / (time(k) + (1 - a^k) * rollback)``, ``E[tokens](k) = (1 - a^(k+1)) / (1 - a)``;
+from plain decoding a draft length must win on the unfavourable side of the measured spread,
+catch-up included. At ``k = 0`` it probes now and then with one draft token, after a wait that
+keeps the probe's extra cost (catch-up over the wait included) near ``PROBE_SHARE`` of the plain
+rounds waited; a rejected probe doubles the wait, an accepted one brings it back to the start;
+a catch-up that alone costs more than that share ends the probing for the sequence.
 
 Tests force a schedule with :func:`forced` (``k`` per round, whatever the controller thinks).
 """
@@ -29,11 +28,11 @@ import math
 
 DECAY = 0.9  # weight kept by older acceptance observations per new one (about 10 remembered)
 PRIOR = (0.5, 1.0)  # (accepted, seen) pseudo-counts: an estimate of 1/2 before anything is seen
-RECENT = 8  # round times kept per k (the estimate is their least)
+RECENT = 8  # round times kept per k (the estimate is their median)
+START_PLAIN = 3  # plain rounds timed at the start
 FIRST_INTERVAL = 4  # plain rounds before the first probe
 PROBE_SHARE = 0.01  # the probes' extra cost kept near this share of the plain rounds' time
 MOST_INTERVAL = 256  # plain rounds between probes at most: how long a return of acceptance may wait
-RETIRE_SHARE = 0.02  # a probe after the longest wait costing more than this share of it: no more probes
 
 _forced = contextvars.ContextVar("mlx_lm_patches_forced_draft_lengths", default=None)
 
@@ -57,6 +56,17 @@ def forced_schedule():
     return _forced.get()
 
 
+def _median(values):
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def _quantile(values, q):
+    ordered = sorted(values)
+    return ordered[round(q * (len(ordered) - 1))]
+
+
 def expected_tokens(a, k):
     """Tokens a round of ``k`` drafts yields on average at per-token acceptance ``a``."""
     if a >= 1.0:
@@ -67,64 +77,87 @@ def expected_tokens(a, k):
 class Controller:
     """The draft length of each round of one sequence; ``most``: the caller's ``num_draft_tokens``."""
 
-    def __init__(self, most, schedule=None):
+    def __init__(self, most, schedule=None, plain_start=False):
         self.most = int(most)
+        self.plain_start = plain_start  # the sequence may begin with plain rounds (the draft holds nothing yet)
         self.schedule = list(schedule) if schedule is not None else None
         self.rounds = 0
-        self.accepted = 0.0  # decayed counts
-        self.rejected = 0.0
-        self.seconds = {}  # k -> a round's seconds (the least of the recent ones)
+        self.accepted = PRIOR[0]  # decayed counts, the prior's pseudo-counts decaying with them
+        self.rejected = PRIOR[1] - PRIOR[0]
+        self.seconds = {}  # k -> a round's seconds (the median of the recent ones)
         self.after_rejection = False  # the last round drafted and had a draft token rejected
         self.rollback = None  # seconds a rejected round adds to the next one
-        self.recent = {}  # k (or "rollback") -> the last RECENT values
+        self.recent = {}  # k (or "rollback", "catch-up") -> the last RECENT values
         self.plain_run = 0  # plain rounds since the last round that drafted
         self.interval = FIRST_INTERVAL
         self.probing = False  # the next round is a probe
         self.floored = False  # the first wait for a probe was set from the measured costs
-        self.waited = 0  # plain rounds before the current probe
         self.retired = False  # no more probes in this sequence
+        self.probed = False  # the last round was a probe
+        self.catch_up = 0.0  # seconds per missed token of the draft's catch-up after plain rounds
 
     # -- what was seen -------------------------------------------------------------------------
 
     @property
     def acceptance(self):
-        return (self.accepted + PRIOR[0]) / (self.accepted + self.rejected + PRIOR[1])
+        return self.accepted / (self.accepted + self.rejected)
 
-    def observe(self, k, kept, seconds=None, catch_up=0.0):
+    def observe(self, k, kept, seconds=None, catch_up=0.0, first=False):
         """A round of ``k`` drafts kept ``kept`` of them and took ``seconds`` (None: not timed -
         the prompt's prefill was in it) besides ``catch_up`` seconds of the draft catching up on
-        tokens decoded without it (a cost of probing, not of rounds of ``k``)."""
+        tokens decoded without it (a cost of probing, not of rounds of ``k``). ``first``: the
+        round began a run of its ``k`` (its time holds the switch: a probe's cost, not a usual
+        round's)."""
         self.rounds += 1
         probe, self.probing = self.probing, False
+        self.probed = probe
         for accepted in [1.0] * kept + ([0.0] if kept < k else []):
             self.accepted = DECAY * self.accepted + accepted
             self.rejected = DECAY * self.rejected + (1.0 - accepted)
-        self._time(k, kept, seconds)
+        self._time(k, kept, None if first else seconds)
         if k == 0:
             self.plain_run += 1
             return
+        usual = self.seconds.get(k)
+        if probe and usual is not None and seconds:
+            catch_up += max(seconds - usual, 0.0)  # an MTP draft catches up inside its round
+        if catch_up > 0 and self.plain_run:
+            recent = self.recent.setdefault("catch-up", [])
+            recent.append(catch_up / self.plain_run)
+            del recent[:-RECENT]
+            self.catch_up = _median(recent)
         self.plain_run = 0
         if probe:
-            if kept:
-                self.interval = FIRST_INTERVAL
+            # an accepted probe starts the waits again, a rejected one doubles them; either way
+            # the probes' extra cost stays near PROBE_SHARE of the plain rounds between them (a
+            # draft accepted but too costly to pay does not make probing frequent)
+            self.interval = FIRST_INTERVAL if kept else 2 * self.interval
+            wait = self._probe_wait(0.0 if kept else (self.rollback or 0.0))
+            if wait is None:
+                self.retired = not kept
             else:
-                self.interval = 2 * self.interval
-                plain = self.seconds.get(0)
-                if seconds and plain:
-                    # the probe's extra cost, kept near PROBE_SHARE of the plain rounds between probes
-                    extra = max(seconds + catch_up - plain, 0.0) + (self.rollback or 0.0)
-                    if self.waited >= MOST_INTERVAL and extra > RETIRE_SHARE * plain * self.waited:
-                        # keeping the draft in step costs too much by itself (its catch-up grows
-                        # with the wait): plain decoding for the rest of the sequence
-                        self.retired = True
-                    self.interval = max(self.interval, math.ceil(extra / (PROBE_SHARE * plain)))
-                self.interval = min(self.interval, MOST_INTERVAL)
+                self.interval = max(self.interval, wait)
+            self.interval = min(self.interval, MOST_INTERVAL)
+
+    def _probe_wait(self, rollback):
+        """Plain rounds before a probe so that its extra cost - a round of one draft over a plain
+        one, the rollback if rejected, and the draft's catch-up over every token of the wait -
+        is PROBE_SHARE of the wait; None when the catch-up alone costs more than that share (no
+        wait makes a probe cheap enough: the draft is not probed again in this sequence)."""
+        plain, one = self.seconds.get(0), self.round_time(1)
+        if not plain or one is None:
+            return None
+        budget = PROBE_SHARE * plain - self.catch_up
+        if budget <= 0:
+            return None
+        return max(FIRST_INTERVAL, math.ceil(max(one + rollback - plain, 0.0) / budget))
 
     def _time(self, k, kept, seconds):
         """Round times per ``k``, and the rollback. A rejected round of a hybrid leaves the re-run
         of its kept tokens to the next verify pass: what the next round takes over its usual time
-        is the rollback's cost (a running estimate); rounds after a rejection are not taken as
-        usual times."""
+        is the rollback's cost (a running estimate). A round after a rejection is a usual time
+        only when no usual time of its ``k`` is known yet, less the rollback where that is known
+        (at no acceptance every round follows a rejection: its ``k`` must still get a time)."""
         after_rejection, self.after_rejection = self.after_rejection, k > 0 and kept < k
         if seconds is None or seconds <= 0:
             return
@@ -133,42 +166,64 @@ class Controller:
         elif k in self.seconds:
             self._record("rollback", max(seconds - self.seconds[k], 0.0))
             self.rollback = self.seconds.pop("rollback")
+        else:
+            self._record(k, max(seconds - (self.rollback or 0.0), 0.0) or seconds)
+
+    def rolled_back(self, seconds):
+        """A rejected round's rollback done on its own (before plain decoding), in ``seconds``."""
+        if self.after_rejection:
+            self.after_rejection = False
+            self._record("rollback", seconds)
+            self.rollback = self.seconds.pop("rollback")
 
     def _record(self, k, value):
-        """The estimate is the least of the last ``RECENT`` values: another process's load only
-        ever adds time to a round, so the least is the round's own cost (and it follows a
-        lasting change within ``RECENT`` rounds)."""
+        """The estimate is the median of the last ``RECENT`` values: the same round's time
+        varies by 2x even on an idle machine (threads, caches), so the least would be a rare lucky
+        round; the median follows a lasting change of load within ``RECENT / 2`` rounds, and load
+        moves every ``k``'s time together."""
         recent = self.recent.setdefault(k, [])
         recent.append(value)
         del recent[:-RECENT]
-        self.seconds[k] = min(recent)
+        self.seconds[k] = _median(recent)
 
     # -- what to do next -----------------------------------------------------------------------
 
     def round_time(self, k):
-        """A round's time: measured; a longer draft not measured yet is taken to cost what the
-        longest measured one below it costs (optimistic: it is tried once where its tokens
-        would pay, then measured - a verify pass of a few more tokens often costs little more);
-        a shorter one lies on the line through the plain round and the measured lengths."""
+        """A round's time: measured; between two measured lengths (the plain round counting as
+        0), on the line through them; longer than every measured one, what the longest costs
+        (optimistic: the longest draft is tried once where its tokens would pay - a verify pass of
+        a few more tokens often costs little more - then measured, and the lengths between are
+        read off the line)."""
         if k in self.seconds:
             return self.seconds[k]
-        plain = self.seconds.get(0)
-        below = [j for j in self.seconds if 0 < j < k]
-        if below:
-            return self.seconds[max(below)]
-        slopes = [(t - plain) / j for j, t in self.seconds.items() if j and plain is not None]
-        if plain is None or not slopes:
+        lower = [j for j in self.seconds if j < k]
+        upper = [j for j in self.seconds if j > k]
+        if not lower:
             return None
-        return plain + k * max(sum(slopes) / len(slopes), 0.0)
+        lo = max(lower)
+        if not upper:
+            return self.seconds[lo]
+        hi = min(upper)
+        return self.seconds[lo] + (self.seconds[hi] - self.seconds[lo]) * (k - lo) / (hi - lo)
 
     def best(self):
-        """The draft length with the most expected tokens per second (0 when unsure)."""
+        """The draft length with the most expected tokens per second (0 when unsure). Leaving
+        plain decoding costs the draft a catch-up over every token it missed, so from a run of
+        plain rounds (and a probe's round) a draft length must win on the unfavourable side of the measured spread:
+        its rounds' upper quartile against the plain rounds' lower quartile (noise alone does not
+        switch back and forth), with the catch-up it would start with (per missed token, as
+        measured) spread over ``RECENT`` rounds."""
         a = self.acceptance
+        leaving_plain = self.plain_run > 0 or self.probed
         best_k, best_rate = 0, None
         for k in range(self.most + 1):
             t = self.round_time(k)
+            if leaving_plain and k in self.recent:
+                t = _quantile(self.recent[k], 0.25 if k == 0 else 0.75)
             if t is None or t <= 0:
                 continue
+            if leaving_plain and k:
+                t += self.catch_up * self.plain_run / RECENT  # the catch-up over the next rounds
             rate = expected_tokens(a, k) / (t + (1.0 - a ** k) * (self.rollback or 0.0))
             if best_rate is None or rate > best_rate * (1 + 1e-9):
                 best_k, best_rate = k, rate
@@ -177,7 +232,7 @@ class Controller:
     def choose(self, left=None):
         """The draft length of the next round (``left``: tokens still to generate)."""
         k = self._choose()
-        if self.rounds == 0:
+        if self.rounds == 0 and not self.plain_start:
             k = max(k, 1)  # the first round drafts: where the draft's prefill leaves it is mlx-lm's
         if left is not None:
             k = min(k, max(left - 1, 0))  # mlx-lm's loop caps at the tokens left; a last round drafts less
@@ -188,27 +243,32 @@ class Controller:
             return self.schedule[min(self.rounds, len(self.schedule) - 1)]
         if self.most <= 0:
             return 0
-        # start: one round with a draft (the prompt's prefill is in it: not timed), then a plain
-        # round and a round of one draft, each timed; from there the model decides.
-        if self.rounds == 0:
+        # start: one round with a draft (the prompt's prefill is in it: not timed; skipped for a
+        # plain start, which is a plain round), then plain rounds until START_PLAIN are timed (plain decoding is the yardstick of every choice,
+        # and a single time can be twice the usual) and a round of one draft; from there the
+        # model decides.
+        if self.rounds == 0 and not self.plain_start:
             return 1
-        if 0 not in self.seconds:
+        if len(self.recent.get(0, ())) < START_PLAIN:
             return 0
         if 1 not in self.seconds and len(self.seconds) < 2:
             return 1
         if self.after_rejection and self.rollback is None:
             return 0  # a plain round measures what the rejection left to the next pass
-        k = self.best()
+        # in a run of plain rounds the choice is looked at again every RECENT rounds (a plain
+        # step can be a millisecond: the controller must cost next to nothing there)
+        k = self.best() if self.plain_run % RECENT == 0 else 0
         if k:
             return k
         if not self.floored:
             self.floored = True
             # leaving drafting: the first probe waits until its cost is about PROBE_SHARE of the wait
-            plain, one = self.seconds[0], self.round_time(1)  # (both measured by now)
-            if one is not None and plain > 0:
-                wait = math.ceil(max(one + (self.rollback or 0.0) - plain, 0.0) / (PROBE_SHARE * plain))
-                self.interval = min(max(FIRST_INTERVAL, wait), MOST_INTERVAL)
+            wait = self._probe_wait(self.rollback or 0.0)
+            if wait is None:
+                self.retired = True
+            else:
+                self.interval = min(wait, MOST_INTERVAL)
         if self.plain_run >= self.interval and not self.retired:
-            self.probing, self.waited = True, self.plain_run
+            self.probing = True
             return 1
         return 0

@@ -48,6 +48,7 @@ possible - a forward it did not see - a draft's trim changes nothing and reports
 mlx-lm does for a draft: the main model verifies every token.)
 """
 
+import contextlib
 import threading
 import weakref
 from typing import List, Optional
@@ -158,6 +159,7 @@ class Journal:
         self.recurrent = kept_caches(caches)  # recurrent states and sliding windows
         self.pos = 0  # tokens the caches hold
         self._pending = None  # token ids [1, k] a trim went back over, re-run by the next pass
+        self._paused = False  # see paused()
         self._snapshots: List[_Snapshot] = []
         self._after = None  # recurrent states right after the last journaled pass
         self._base = self._kv_bases(caches)
@@ -194,10 +196,29 @@ class Journal:
             self.forward(pending, self.caches)
             mx.eval([c.state for c in self.caches])
 
+    @contextlib.contextmanager
+    def paused(self):
+        """Within the block forward passes keep nothing (plain decoding between speculative
+        rounds: nothing there is ever rolled back); only the position is counted. What was kept
+        before is dropped: no trim can go back into or past the block."""
+        self.flush()
+        self._forget("the caches moved on without a journal (plain decoding)")
+        self._after = None
+        self._paused = True
+        try:
+            yield self
+        finally:
+            self._paused = False
+
     # -- forward passes ---------------------------------------------------------------------
     def forward(self, inputs, cache, **kwargs):
         """``model(inputs, cache=cache, **kwargs)``, keeping the states it replaces."""
         import mlx.core as mx
+
+        if self._paused:
+            out = self.model(inputs, cache=cache, **kwargs)
+            self.pos += inputs.shape[1]
+            return out
 
         journaled = (
             isinstance(inputs, mx.array) and inputs.ndim == 2 and not kwargs and self.covers(cache)

@@ -10,20 +10,17 @@ Bug
     never accepted). Nothing adapts; users pick ``--num-draft-tokens`` once.
 
 Fix
-    The innermost layer on ``speculative_generate_step`` runs mlx-lm's own loop in segments on
+    The innermost layer on ``speculative_generate_step`` runs mlx-lm's own loops in segments on
     the same caches: before each round a controller (``mechanisms/adaptive.py``) picks ``k`` in
     ``0..num_draft_tokens`` from the acceptance seen in this sequence and the round times
-    measured in this run; when it changes ``k`` the running loop is closed at the end of a round
-    (mlx-lm's own ``finally`` rewinds the caches as after any round) and a new one starts with
-    the last token as its prompt. ``k = 0`` runs the loop with no draft: a plain step of the main
-    model per round (its own single-token verify pass); every so often a probe round drafts one
-    token, less often while probes fail. A separate draft model catches up on the tokens it
-    missed with one forward pass in front of its next draft step; an MTP draft follows the main
-    model's recorded passes on its own. Every token is still verified by the main model in the
-    same loop, so the output is unchanged: greedy tokens equal, log-probabilities within
-    rounding of plain decoding, whatever the schedule. The wrappers outside (prompt-cache split
-    and sync, rollback journals and their budget, kv options, prompt-cache files) see one
-    generator, as before.
+    measured in this run. Rounds of ``k >= 1`` run mlx-lm's speculative loop (closed at the end
+    of a round when ``k`` changes: its own ``finally`` rewinds the caches); rounds of ``k = 0``
+    run mlx-lm's own ``generate_step`` (plain decoding itself, pipelined; the token it sampled
+    ahead ends the run and starts the next one), with a hybrid's rollback journal paused. A
+    separate draft model catches up on the tokens it missed in chunked forward passes before
+    its next draft (after a plain start, that is its prefill); an MTP draft follows the main
+    model's recorded passes. Every token is verified by the main model or decoded plainly, so
+    the output is unchanged whatever the schedule.
     ``MLX_LM_PATCHES_ADAPTIVE_DRAFTING=0`` turns it off (``k`` fixed as in stock mlx-lm); with
     ``logits_processors`` or ``max_tokens < 0`` the loop also runs as it is (its history of
     tokens for processors does not survive a restart), and in a distributed group of more than
@@ -33,6 +30,7 @@ Retire
     When mlx-lm's speculative loop adapts its draft length by itself.
 """
 
+import contextlib
 import sys
 import time
 
@@ -52,12 +50,14 @@ def enabled() -> bool:
 
 
 class _Draft(ModelWithCaches):
-    """The draft model for one segment: its first call is preceded by a forward pass over the
-    tokens it missed (``lag``, decoded while no draft ran); ``catch_up_s`` times that pass."""
+    """The draft model for one segment: its first call is preceded by forward passes over the
+    tokens it missed (``lag``, decoded while no draft ran; the prompt too after a plain start),
+    ``chunk`` tokens a pass as mlx-lm prefills; ``catch_up_s`` times them."""
 
-    def __init__(self, model, caches, lag):
+    def __init__(self, model, caches, lag, chunk):
         super().__init__(model, caches, supplied=False)
         self.lag = lag
+        self.chunk = max(int(chunk or 0), 1)
         self.catch_up_s = 0.0
 
     def __call__(self, inputs, cache=None, **kwargs):
@@ -67,8 +67,9 @@ class _Draft(ModelWithCaches):
 
         start = time.perf_counter()
         lag, self.lag = self.lag, None
-        mx.eval(self._model(mx.array([lag], inputs.dtype), cache=cache, **kwargs))
-        mx.eval([c.state for c in cache])
+        for at in range(0, len(lag), self.chunk):
+            self._model(mx.array([lag[at:at + self.chunk]], inputs.dtype), cache=cache, **kwargs)
+            mx.eval([c.state for c in cache])
         self.catch_up_s = time.perf_counter() - start
         return self._model(inputs, cache=cache, **kwargs)
 
@@ -103,11 +104,33 @@ def _distributed() -> bool:
         return False
 
 
+class _KeepsLastSample:
+    """The sampler given to ``generate_step`` for plain stretches: the caller's (greedy when
+    none), and it keeps what it was last given and gave, so the token ``generate_step`` has
+    sampled one step ahead is not lost when the stretch ends."""
+
+    def __init__(self, sampler):
+        import mlx.core as mx
+
+        self.sampler = sampler or (lambda logprobs: mx.argmax(logprobs, axis=-1))
+        self.last = None
+
+    def __call__(self, logprobs):
+        token = self.sampler(logprobs)
+        self.last = (token, logprobs)
+        return token
+
+
+PLAIN_OPTIONS = ("prefill_step_size", "kv_bits", "kv_group_size", "quantized_kv_start")
+
+
 def _segments(wrapped, bound, most, max_tokens, schedule):
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
+    from mlx_lm_patches.engine.patching import beneath_layers
     from mlx_lm_patches.mechanisms.adaptive import Controller
+    from mlx_lm_patches.mechanisms.journal import journal_of
 
     arguments = bound.arguments
     model, draft_model = arguments["model"], arguments["draft_model"]
@@ -117,26 +140,68 @@ def _segments(wrapped, bound, most, max_tokens, schedule):
         draft_caches = prompt_cache[len(model.layers):]
     else:
         main_caches, draft_caches = make_prompt_cache(model), make_prompt_cache(draft_model)
+    # plain stretches: mlx-lm's own generate_step (its pipelined decoding), under the wrappers of
+    # ours on it, which are for calls from outside (this call is inside a speculative one)
+    plain_step = beneath_layers(sys.modules[GENERATE], "generate_step")
+    plain_options = {name: arguments[name] for name in PLAIN_OPTIONS if name in arguments}
     follows = bool(getattr(draft_model, "follows_main_model", False))  # an MTP draft catches up itself
-    controller = Controller(most, schedule)
+    # fresh caches and a separate draft model: the sequence starts with plain decoding (the
+    # prompt through generate_step), the draft prefilled by its first catch-up
+    plain_start = prompt_cache is None and not follows
+    controller = Controller(most, schedule, plain_start=plain_start)
     sequence = [int(t) for t in mx.array(arguments["prompt"]).reshape(-1).tolist()]
-    draft_seen = None  # positions of `sequence` the draft holds (None: the first segment's own count)
+    draft_seen = 0 if plain_start else None  # positions of `sequence` the draft holds (None: the first segment's own count)
     produced = 0
     steps = None
     first_segment = True
     k = controller.choose(max_tokens)
     try:
         while produced < max_tokens:
+            if k == 0:
+                # a plain stretch, a token per round, until the controller drafts again
+                sampler = _KeepsLastSample(arguments.get("sampler"))
+                prompt = arguments["prompt"] if first_segment else mx.array(sequence[-1:], mx.uint32)
+                first_segment = False
+                steps = plain_step(prompt, model, max_tokens=max_tokens - produced,
+                                   sampler=sampler, prompt_cache=main_caches, **plain_options)
+                journal = journal_of(main_caches)
+                chosen, timed = 0, False
+                with journal.paused() if journal is not None else contextlib.nullcontext():
+                    while chosen == 0:
+                        start = time.perf_counter()
+                        item = next(steps, None)
+                        spent = time.perf_counter() - start
+                        if item is None:
+                            return
+                        produced += 1
+                        sequence.append(int(item[0]))
+                        yield item[0], item[1], False
+                        if produced >= max_tokens:
+                            return
+                        # the first token's time holds the stretch's start (a step not overlapped yet)
+                        controller.observe(0, 0, spent if timed else None)
+                        timed = True
+                        chosen = controller.choose(max_tokens - produced)
+                steps.close()
+                steps = None
+                # generate_step runs a token ahead: the caches hold every token yielded and the
+                # next one is sampled; it is the last plain token, and the next segment's prompt
+                token, logprobs = sampler.last
+                produced += 1
+                sequence.append(int(token.item()))
+                yield sequence[-1], logprobs.squeeze(0), False
+                k = chosen
+                continue
             lag = []
-            if not first_segment and not follows and k > 0 and draft_seen is not None:
+            if not first_segment and not follows and draft_seen is not None:
                 lag = sequence[draft_seen:-1]
-            draft = _Draft(draft_model, draft_caches, lag)
+            draft = _Draft(draft_model, draft_caches, lag, arguments.get("prefill_step_size") or 2048)
             arguments.update(model=ModelWithCaches(model, main_caches, supplied=False), draft_model=draft, prompt_cache=None,
                              num_draft_tokens=k, max_tokens=max_tokens - produced)
             if not first_segment:
                 arguments["prompt"] = mx.array(sequence[-1:], mx.uint32)
             steps = wrapped(*bound.args, **bound.kwargs)
-            timed = not first_segment
+            timed, first_round = not first_segment, True
             first_segment = False
             # rounds of this segment, while the controller keeps k
             while True:
@@ -157,18 +222,24 @@ def _segments(wrapped, bound, most, max_tokens, schedule):
                 if not round_over:  # max_tokens reached, or the loop ended
                     return
                 catch_up, draft.catch_up_s = draft.catch_up_s, 0.0
-                controller.observe(k, kept, spent - catch_up if timed else None, catch_up)
-                timed = True
-                if k > 0:
-                    # the draft holds all but the main model's token (and, all accepted, the last draft)
-                    draft_seen = len(sequence) - 1 - (1 if kept == k else 0)
+                controller.observe(k, kept, spent - catch_up if timed else None, catch_up, first=first_round)
+                timed, first_round = True, False
+                # the draft holds all but the main model's token (and, all accepted, the last draft)
+                draft_seen = len(sequence) - 1 - (1 if kept == k else 0)
                 if produced >= max_tokens:
                     return
                 chosen = controller.choose(max_tokens - produced)
                 if chosen != k:
                     break
-            steps.close()
+            start = time.perf_counter()
+            steps.close()  # mlx-lm's loop rewinds the caches as after any round
             steps = None
+            if chosen == 0:
+                # plain decoding next: a rejected round's re-run is done now, timed as its rollback
+                journal = journal_of(main_caches)
+                if journal is not None:
+                    journal.flush()
+                controller.rolled_back(time.perf_counter() - start)
             k = chosen
     finally:
         if steps is not None:
