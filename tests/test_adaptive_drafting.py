@@ -220,3 +220,62 @@ def test_controller_retires_a_draft_whose_catch_up_alone_costs_too_much():
         controller.observe(k, 0, 1.0 + 0.5 * k, catch_up=0.05 * waited if k else 0.0)
         waited = 0 if k else waited + 1
     assert controller.retired and probes[-1] < 1000, probes
+
+
+def _simulated_speed(draft, verify, acceptance, fixed=None, seed=0, tokens=192, most=3):
+    """Tokens per plain-step time of one sequence on synthetic costs (a plain step = 1, times
+    20 % log-normal noise): a round of k drafts costs ``draft * k + 1 + verify * k``, a switch
+    out of plain decoding 1 and into it 2, the draft's catch-up ``draft`` per missed token, a
+    rejected round's rollback 0.5. ``fixed``: stock's fixed k."""
+    import random
+
+    rng = random.Random(seed)
+    noise = lambda: rng.lognormvariate(0.0, 0.2)  # noqa: E731
+    controller = Controller(most, plain_start=True)
+    k = fixed if fixed is not None else controller.choose(tokens)
+    spent, produced, previous, lag, rejected = 0.0, 0, None, 0, False
+    while produced < tokens:
+        catch_up, kept = 0.0, 0
+        if k == 0:
+            seconds = noise() + (2.0 if previous else 0.0)
+            lag += 1
+        else:
+            catch_up, lag = draft * lag * noise(), 0
+            seconds = (draft * k + 1 + verify * k) * noise() + (1.0 if previous == 0 else 0.0)
+            seconds += 0.5 * noise() if rejected else 0.0
+            while kept < k and rng.random() < acceptance:
+                kept += 1
+            rejected = kept < k
+        spent += seconds + catch_up
+        produced += min(kept + 1, tokens - produced)
+        if fixed is None:
+            timed = previous is not None and not (k == 0 and previous)
+            controller.observe(k, kept, seconds if timed else None, catch_up, first=k > 0 and previous != k)
+            previous = k
+            k = controller.choose(tokens - produced)
+            if previous and not k:
+                rollback = 0.5 * noise() if rejected else 0.0
+                spent, rejected = spent + rollback, False
+                controller.rolled_back(rollback)
+        else:
+            previous, k = k, min(fixed, max(tokens - produced - 1, 0))
+    return tokens / spent
+
+
+@pytest.mark.parametrize("case, draft, verify, acceptance", [
+    ("never accepted", 0.3, 0.3, 0.0),
+    ("as costly as the main model, all accepted", 0.7, 0.3, 1.0),
+    ("cheap, all accepted", 0.1, 0.2, 1.0),
+    ("cheap, 90 %", 0.1, 0.3, 0.9),
+])
+def test_controller_on_synthetic_noisy_costs(case, draft, verify, acceptance):
+    """Decisions, not speed: on synthetic costs with 20 % noise per round (median of 11
+    sequences of 192 tokens), adaptive drafting stays at >= 0.93x plain decoding and >= 0.9x
+    the best fixed k (the plain start and its exploration cost a few rounds of 192)."""
+    import statistics
+
+    adaptive = statistics.median(_simulated_speed(draft, verify, acceptance, seed=s) for s in range(11))
+    best = max(statistics.median(_simulated_speed(draft, verify, acceptance, fixed=k, seed=s)
+                                 for s in range(11)) for k in (1, 2, 3))
+    assert adaptive >= 0.93, f"{case}: {adaptive:.2f}x plain decoding"
+    assert adaptive >= 0.9 * best, f"{case}: {adaptive:.2f}x plain, the best fixed k {best:.2f}x"

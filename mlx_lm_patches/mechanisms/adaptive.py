@@ -207,22 +207,24 @@ class Controller:
         return self.seconds[lo] + (self.seconds[hi] - self.seconds[lo]) * (k - lo) / (hi - lo)
 
     def best(self):
-        """The draft length with the most expected tokens per second (0 when unsure). Leaving
-        plain decoding costs the draft a catch-up over every token it missed, so from a run of
-        plain rounds (and a probe's round) a draft length must win on the unfavourable side of the measured spread:
-        its rounds' upper quartile against the plain rounds' lower quartile (noise alone does not
-        switch back and forth), with the catch-up it would start with (per missed token, as
-        measured) spread over ``RECENT`` rounds."""
+        """The draft length with the most expected tokens per second (0 when unsure). Switching
+        between plain decoding and drafting is dearer than moving between draft lengths (the draft
+        catches up over every token it missed; the journal's re-run is done alone), so the side
+        the sequence is on is read on the favourable side of its measured spread and the other
+        on the unfavourable side (lower and upper quartiles of the recent times), and leaving
+        plain decoding also pays the measured catch-up per missed token spread over ``RECENT``
+        rounds: measurement noise alone does not switch back and forth."""
         a = self.acceptance
-        leaving_plain = self.plain_run > 0 or self.probed
+        plain_side = self.plain_run > 0 or self.probed
         best_k, best_rate = 0, None
         for k in range(self.most + 1):
             t = self.round_time(k)
-            if leaving_plain and k in self.recent:
-                t = _quantile(self.recent[k], 0.25 if k == 0 else 0.75)
+            if k in self.recent:
+                favourable = (k == 0) == plain_side
+                t = _quantile(self.recent[k], 0.25 if favourable else 0.75)
             if t is None or t <= 0:
                 continue
-            if leaving_plain and k:
+            if plain_side and k:
                 t += self.catch_up * self.plain_run / RECENT  # the catch-up over the next rounds
             rate = expected_tokens(a, k) / (t + (1.0 - a ** k) * (self.rollback or 0.0))
             if best_rate is None or rate > best_rate * (1 + 1e-9):
@@ -253,8 +255,6 @@ class Controller:
             return 0
         if 1 not in self.seconds and len(self.seconds) < 2:
             return 1
-        if self.after_rejection and self.rollback is None:
-            return 0  # a plain round measures what the rejection left to the next pass
         # in a run of plain rounds the choice is looked at again every RECENT rounds (a plain
         # step can be a millisecond: the controller must cost next to nothing there)
         k = self.best() if self.plain_run % RECENT == 0 else 0
