@@ -207,21 +207,20 @@ class Controller:
         return self.seconds[lo] + (self.seconds[hi] - self.seconds[lo]) * (k - lo) / (hi - lo)
 
     def best(self):
-        """The draft length with the most expected tokens per second (0 when unsure). Switching
-        between plain decoding and drafting is dearer than moving between draft lengths (the draft
-        catches up over every token it missed; the journal's re-run is done alone), so the side
-        the sequence is on is read on the favourable side of its measured spread and the other
-        on the unfavourable side (lower and upper quartiles of the recent times), and leaving
-        plain decoding also pays the measured catch-up per missed token spread over ``RECENT``
-        rounds: measurement noise alone does not switch back and forth."""
+        """The draft length with the most expected tokens per second (0 when unsure). Leaving
+        plain decoding costs the draft a catch-up over every token it missed, so from a run of
+        plain rounds (and right after a probe) a draft length must win on the unfavourable side
+        of the measured spread - its rounds' upper quartile against the plain rounds' lower
+        quartile - with its measured catch-up per missed token spread over ``RECENT`` rounds:
+        measurement noise alone does not bring it back. Leaving drafting costs little (the
+        journal's re-run done alone) and goes by the medians."""
         a = self.acceptance
         plain_side = self.plain_run > 0 or self.probed
         best_k, best_rate = 0, None
         for k in range(self.most + 1):
             t = self.round_time(k)
-            if k in self.recent:
-                favourable = (k == 0) == plain_side
-                t = _quantile(self.recent[k], 0.25 if favourable else 0.75)
+            if plain_side and k in self.recent:
+                t = _quantile(self.recent[k], 0.25 if k == 0 else 0.75)
             if t is None or t <= 0:
                 continue
             if plain_side and k:
