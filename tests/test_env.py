@@ -67,3 +67,24 @@ def test_problems_lists_every_malformed_variable_but_the_switch():
 def test_unknown_variable_name_is_a_programming_error():
     with pytest.raises(KeyError, match="MLX_LM_PATCHES_NOPE"):
         env.read("MLX_LM_PATCHES_NOPE")
+
+
+def test_a_malformed_value_is_the_default_not_an_explicit_setting(monkeypatch, caplog):
+    """Setting ``MLX_LM_PATCHES_PREFIX_CHECKPOINTS`` turns prefill cuts on before any prompt-cache
+    store exists; a typo in it is reported and means the default - unset - so it turns nothing
+    on."""
+    from mlx_lm_patches.mechanisms.prefix_reuse import settings
+
+    name = env.PREFIX_CHECKPOINTS
+    assert env.given(name, {name: " 4 "}) and env.given(name, {name: "0"})
+    assert not env.given(name, {}) and not env.given(name, {name: "  "})
+    monkeypatch.setenv(name, "maybe!")
+    with caplog.at_level("WARNING", logger="mlx_lm_patches"):
+        assert not env.given(name)
+        assert settings.max_checkpoints() == 8
+        assert not settings.capturing({}), "a malformed value turned prefill cuts on"
+    assert settings.capturing({settings.STORE_SEEN: True})
+    monkeypatch.setenv(name, "8")
+    assert settings.capturing({})
+    said = [r.getMessage() for r in caplog.records if "PREFIX_CHECKPOINTS='maybe!'" in r.getMessage()]
+    assert len(said) <= 1, said  # once per process (an earlier test may have said it already)
