@@ -155,3 +155,10 @@ def test_the_bootstrap_decides_with_env_py_words():
     spec.loader.exec_module(boot)  # defines, arms nothing
     assert set(boot._ON) == set(env._TRUE) | {""}
     assert set(boot._OFF) == set(env._FALSE)
+    # the .pth line skips importing the bootstrap for the same "off" words
+    import ast
+    import re
+
+    pth = (path.parent / "mlx_lm_patches.pth").read_text()
+    off = ast.literal_eval(re.search(r"not in (\([^)]*\))", pth).group(1))
+    assert set(off) == set(env._FALSE), pth
