@@ -7,6 +7,8 @@ lives in ``mlx_lm_patches`` (tests/support/package_calls.py).
 * calls per decoded token at 100 decode steps and at 400 (qwen3_5 / qwen3_next, attention and
   gated-delta layers): at most one, and the same at both lengths; one also while prefills are
   cut for a prompt-cache store; none for a dense model;
+* at position 10,000 (after a 10,000-token prompt) as at the start, hybrid and dense: the same
+  calls per decoded token (one, none);
 * at 100 and 10,000 decode steps (mamba, one layer: the cheapest recurrent model; still about
   10 s of CPU, so this one runs once per Python version - what it adds to the above is our
   code's cost over a long sequence, which does not depend on the mlx-lm release);
@@ -107,6 +109,27 @@ def test_recurrent_decoding_pays_one_call_per_token_over_ten_thousand_tokens():
     assert log is not None and len(log) == len(tokens)
     assert len(log.store.pending) >= 10_000, "decode steps append to one store, never copy it"
     assert _history_is(cache, tokens)
+
+
+@pytest.mark.parametrize("kind", ["hybrid", "dense"])
+def test_decoding_at_ten_thousand_tokens_pays_what_it_pays_at_the_start(kind):
+    """Decode steps at position 10,000 (after a 10,000-token prompt, prefilled in mlx-lm's
+    chunks) cost the same calls into the package as at position 40: one for the hybrid, none
+    for the dense model. (Ten thousand decode steps of a hybrid or dense model would take half a
+    minute of CPU; the mamba test above decodes them, for the recording's own cost.)"""
+    if kind == "hybrid":
+        model = _hybrid()
+    else:
+        model = build_tiny_model(DENSE_MODEL_TYPE, seed=1, overrides={"num_hidden_layers": 1})
+    start, start_forwards, _, _ = _decode(model, 100)
+    late, late_forwards, cache, tokens = _decode(model, 100, prompt=prompt_tokens(10_000, seed=3))
+    assert max(getattr(c, "offset", 0) for c in cache) == len(tokens), "the steps ran past position 10,000"
+    assert _per_token(start, start_forwards) == _per_token(late, late_forwards), (dict(start), dict(late))
+    if kind == "hybrid":
+        assert _per_token(late, late_forwards) == 1, dict(late)
+        assert _history_is(cache, tokens)
+    else:
+        assert sum(late.values()) == 0, dict(late)
 
 
 def test_dense_decoding_pays_nothing():

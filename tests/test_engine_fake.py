@@ -791,3 +791,17 @@ def test_check_judges_a_patch_applied_only_beside_others_as_skipped(fake):
     assert check.counts(results) == {"fixed": 0, "not needed": 1, "not applicable": 0, "disabled": 0, "gap": 1}
     assert check.summary(results) == ("check: 0 fixed, 1 not needed (stock correct), 0 not applicable, "
                                       "0 disabled, 1 gap")
+
+
+def test_check_counts_a_disabled_patch_as_disabled_never_as_fixed(fake, monkeypatch):
+    """``MLX_LM_PATCHES_DISABLE=x``: check does not run x's scenario and counts it apart."""
+    from mlx_lm_patches.engine import check
+
+    monkeypatch.setenv("MLX_LM_PATCHES_DISABLE", "greet-fix")
+    fake.engine.request(OK_IDS)
+    assert fake.state("greet-fix") is State.DISABLED
+    result = check.check_patch(fake.engine, "greet-fix")
+    assert (result.outcome, result.holds, result.verdict) == (check.DISABLED, True, "not checked: disabled")
+    assert check.counts([result]) == {"fixed": 0, "not needed": 0, "not applicable": 0, "disabled": 1, "gap": 0}
+    assert check.summary([result]) == ("check: 0 fixed, 0 not needed (stock correct), 0 not applicable, "
+                                       "1 disabled, 0 gaps")

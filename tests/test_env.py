@@ -67,3 +67,98 @@ def test_problems_lists_every_malformed_variable_but_the_switch():
 def test_unknown_variable_name_is_a_programming_error():
     with pytest.raises(KeyError, match="MLX_LM_PATCHES_NOPE"):
         env.read("MLX_LM_PATCHES_NOPE")
+
+
+def test_a_malformed_value_is_the_default_not_an_explicit_setting(monkeypatch, caplog):
+    """Setting ``MLX_LM_PATCHES_PREFIX_CHECKPOINTS`` turns prefill cuts on before any prompt-cache
+    store exists; a typo in it is reported and means the default - unset - so it turns nothing
+    on."""
+    from mlx_lm_patches.mechanisms.prefix_reuse import settings
+
+    name = env.PREFIX_CHECKPOINTS
+    assert env.given(name, {name: " 4 "}) and env.given(name, {name: "0"})
+    assert not env.given(name, {}) and not env.given(name, {name: "  "})
+    monkeypatch.setenv(name, "maybe!")
+    with caplog.at_level("WARNING", logger="mlx_lm_patches"):
+        assert not env.given(name)
+        assert settings.max_checkpoints() == 8
+        assert not settings.capturing({}), "a malformed value turned prefill cuts on"
+    assert settings.capturing({settings.STORE_SEEN: True})
+    monkeypatch.setenv(name, "8")
+    assert settings.capturing({})
+    said = [r.getMessage() for r in caplog.records if "PREFIX_CHECKPOINTS='maybe!'" in r.getMessage()]
+    assert len(said) <= 1, said  # once per process (an earlier test may have said it already)
+
+
+def _reads_of_our_variables(path):
+    """``(line, variable)`` for every read of the environment in ``path`` whose key is one of
+    ours (a literal ``MLX_LM_PATCHES...`` or one of env.py's names for them)."""
+    import ast
+
+    names = {key for key, value in vars(env).items() if isinstance(value, str) and value in env.VARIABLES}
+
+    def ours(node):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            return node.value if node.value.startswith("MLX_LM_PATCHES") else None
+        name = getattr(node, "id", None) or getattr(node, "attr", None)
+        return getattr(env, name) if name in names else None
+
+    def environ(node):
+        return (getattr(node, "attr", None) or getattr(node, "id", None)) in ("environ", "getenv")
+
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        key = None
+        if isinstance(node, ast.Call) and node.args:
+            func = node.func
+            if (isinstance(func, ast.Attribute) and func.attr in ("get", "pop") and environ(func.value)) or environ(func):
+                key = ours(node.args[0])
+        elif isinstance(node, ast.Subscript) and environ(node.value):
+            key = ours(node.slice)
+        elif isinstance(node, ast.Compare) and any(environ(c) for c in node.comparators):
+            key = ours(node.left)
+        if key:
+            found.append((node.lineno, key))
+    return found
+
+
+def test_only_env_py_parses_the_variables():
+    """One parser: no module but env.py reads a variable of ours from the environment. The one
+    exception is the bootstrap's ``MLX_LM_PATCHES`` at interpreter start (it imports nothing for
+    the common values; a test below keeps its words env.py's)."""
+    import pathlib
+
+    import mlx_lm_patches
+
+    root = pathlib.Path(mlx_lm_patches.__file__).parent
+    allowed = {("_activation/_mlx_lm_patches_boot.py", env.ENABLED)}
+    found = {}
+    for path in sorted(root.rglob("*.py")):
+        where = path.relative_to(root).as_posix()
+        if where == "engine/env.py":
+            continue
+        reads = [(line, key) for line, key in _reads_of_our_variables(path) if (where, key) not in allowed]
+        if reads:
+            found[where] = reads
+    assert found == {}, f"read outside engine/env.py (use env.setting / env.read / env.given): {found}"
+
+
+def test_the_bootstrap_decides_with_env_py_words():
+    import importlib.util
+    import pathlib
+
+    import mlx_lm_patches
+
+    path = pathlib.Path(mlx_lm_patches.__file__).parent / "_activation" / "_mlx_lm_patches_boot.py"
+    spec = importlib.util.spec_from_file_location("_boot_words_under_test", path)
+    boot = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(boot)  # defines, arms nothing
+    assert set(boot._ON) == set(env._TRUE) | {""}
+    assert set(boot._OFF) == set(env._FALSE)
+    # the .pth line skips importing the bootstrap for the same "off" words
+    import ast
+    import re
+
+    pth = (path.parent / "mlx_lm_patches.pth").read_text()
+    off = ast.literal_eval(re.search(r"not in (\([^)]*\))", pth).group(1))
+    assert set(off) == set(env._FALSE), pth

@@ -124,6 +124,21 @@ def test_ci_runs_the_readme_test_command():
     assert test_command in ci.read_text().splitlines()
 
 
+def test_the_readme_commands_can_run_again():
+    """Both commands for a fresh machine are run again on the same clone (after a pull, or for
+    another release): a ``uv venv`` of theirs must accept the folder it made the first time
+    (``uv venv`` refuses an existing one unless told). tools/run_matrix.py removes its venvs
+    itself before making them again."""
+    readme = REPO / "README.md"
+    if not readme.is_file():
+        pytest.skip("not running from a checkout")
+    commands = [block.split("```", 1)[0].strip() for block in readme.read_text().split("```sh\n")[1:]]
+    steps = [step.strip() for command in commands for step in command.split("&&")]
+    venvs = [step for step in steps if step.startswith("uv venv")]
+    assert venvs, "the README's setup command makes a venv"
+    assert all("--allow-existing" in step.split() or "--clear" in step.split() for step in venvs), venvs
+
+
 def test_full_rows_span_the_releases(the_matrix):
     """``suite: core`` rows run a subset (tools/run_matrix.py): the oldest release keeps a full
     row with its release-time mlx, and the newest mlx on the newest release runs the full suite."""

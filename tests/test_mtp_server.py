@@ -154,6 +154,9 @@ def test_server_draft_model_mtp_answers_exactly_as_without_a_draft(checkpoint, t
     plain = Server(checkpoint, tmp_path / "plain.log")
     mtp = Server(checkpoint, tmp_path / "mtp.log", "--draft-model", "mtp", "--num-draft-tokens", "2")
     via_run = Server(checkpoint, tmp_path / "run.log", "--draft-model", "mtp", "--num-draft-tokens", "2", via_run=True)
+    # the same way in with a draft model's folder (the hybrid checkpoint drafting for itself)
+    path_via_run = Server(checkpoint, tmp_path / "run-path.log", "--draft-model", str(checkpoint),
+                          "--num-draft-tokens", "2", via_run=True)
     try:
         assert plain.wait_ready(), f"server exited:\n{plain.log[-3000:]}"
         chat = _stock_chat_works(plain)
@@ -161,13 +164,17 @@ def test_server_draft_model_mtp_answers_exactly_as_without_a_draft(checkpoint, t
         got = _session(mtp, chat)
         assert via_run.wait_ready(), f"server exited:\n{via_run.log[-3000:]}"
         got_via_run = _complete(via_run.client(), PROMPT)
+        assert path_via_run.wait_ready(), f"server exited:\n{path_via_run.log[-3000:]}"
+        got_path_via_run = _complete(path_via_run.client(), PROMPT)
     finally:
         plain.stop()
         mtp.stop()
         via_run.stop()
+        path_via_run.stop()
     assert all(text for text, _ in reference.values()), reference
     assert got == reference, f"{got} != {reference}\n--- server log ---\n{mtp.log[-3000:]}"
     assert got_via_run == reference["completion"], f"run -m mlx_lm.server:\n{via_run.log[-3000:]}"
+    assert got_path_via_run == reference["completion"], f"run -m mlx_lm.server --draft-model PATH:\n{path_via_run.log[-3000:]}"
 
 
 def test_server_draft_model_mtp_without_a_head_names_what_is_missing(tmp_path):

@@ -75,6 +75,9 @@ def _cli(*args, form="console-script", env=None, whole=False):
     elif form == "run -m":  # the package's own runner, with automatic activation off
         command = [sys.executable, "-m", "mlx_lm_patches", "run", "-m", "mlx_lm.generate"]
         env = {"MLX_LM_PATCHES": "0", **(env or {})}
+    elif form == "mlx-lm-patches-run":  # the launcher (its sitecustomize arms the activation)
+        bin_dir = os.path.dirname(sys.executable)
+        command = [os.path.join(bin_dir, "mlx-lm-patches-run"), os.path.join(bin_dir, "mlx_lm.generate")]
     else:
         command = [sys.executable, "-m", "mlx_lm.generate"]
     proc = subprocess.run([*command, "--prompt", PROMPT, "--max-tokens", "14", "--verbose", "False", *args],
@@ -102,11 +105,13 @@ def test_generate_cli_with_draft_model(folders, cli_reference, draft, form):
 
 
 @pytest.mark.subprocess
-def test_run_dash_m_with_draft_model(folders, cli_reference):
+@pytest.mark.parametrize("form", ["run -m", "mlx-lm-patches-run"])
+def test_package_runners_with_draft_model(folders, cli_reference, form):
     """``python -m mlx_lm_patches run -m mlx_lm.generate`` runs the patched module's ``main()``
-    (``runpy`` would run a second, unpatched copy: "requires a trimmable prompt cache")."""
+    (``runpy`` would run a second, unpatched copy: "requires a trimmable prompt cache"); so does
+    the launcher ``mlx-lm-patches-run mlx_lm.generate``."""
     got = _cli("--model", str(folders["main"]), "--draft-model", str(folders["hybrid-draft"]),
-               "--num-draft-tokens", "3", form="run -m")
+               "--num-draft-tokens", "3", form=form)
     assert got == cli_reference
 
 

@@ -19,6 +19,9 @@ raises.
 import os
 import sys
 
+# The values of MLX_LM_PATCHES decided here without importing anything (the common cases at every
+# interpreter start): env.py's flag words, which a test keeps equal. Anything else is parsed
+# and worded by env.py.
 _OFF = ("0", "false", "no", "off")
 _ON = ("", "1", "true", "yes", "on")
 
@@ -77,7 +80,12 @@ class _MlxLmImportFinder:
 
 
 def _strict():
-    return os.environ.get("MLX_LM_PATCHES_STRICT", "").strip().lower() in ("1", "true", "yes", "on")
+    try:
+        from mlx_lm_patches.engine import env
+
+        return env.setting(env.STRICT)
+    except Exception:
+        return False
 
 
 def _activate(source, late):

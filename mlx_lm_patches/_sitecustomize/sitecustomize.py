@@ -13,7 +13,13 @@ def _run():
 
     here = os.path.dirname(os.path.abspath(__file__))
     try:
-        if os.environ.get("MLX_LM_PATCHES_CHILDREN", "").strip().lower() not in ("1", "true", "yes", "on"):
+        try:  # the launcher put the package's folder on PYTHONPATH
+            from mlx_lm_patches.engine import env
+
+            children = env.setting(env.CHILDREN)
+        except ImportError:
+            children = False
+        if not children:
             parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
                      if p and os.path.abspath(p) != here]
             if parts:

@@ -8,6 +8,8 @@ Standard library only: the bootstrap imports this module at interpreter start.
 * :func:`setting` never raises: a malformed value is reported once per process, as one line on
   stderr (through the ``mlx_lm_patches`` logger), and the default is used. This is what the
   patches read while the user's program runs, so a typo never crashes a command.
+* :func:`given` says whether a variable holds a value the user chose (a malformed one counts
+  as unset);
 * :func:`problems` lists every malformed variable; automatic activation reports them once,
   explicit ``apply()`` raises the first.
 
@@ -165,6 +167,19 @@ def setting(name: str, environ=None):
     except EnvError as exc:
         _report(spec, exc, environ)
         return spec.default
+
+
+def given(name: str, environ=None) -> bool:
+    """Whether the user set one of :data:`VARIABLES` to a value of their own: a well-formed,
+    non-empty one. A malformed value is reported (as :func:`setting` does) and counts as unset:
+    the default is used, and what an explicit setting turns on stays off."""
+    spec = _spec(name)
+    try:
+        _read(spec, environ)
+    except EnvError as exc:
+        _report(spec, exc, environ)
+        return False
+    return bool((os.environ if environ is None else environ).get(name, "").strip())
 
 
 def _report(spec: Variable, exc: EnvError, environ) -> None:

@@ -32,14 +32,13 @@ def capturing(memo: dict) -> bool:
     """Whether prefills also cut passes at powers of two, and ``BatchGenerator`` prefills hybrid
     rows one at a time to keep states: once an ``LRUPromptCache`` exists in the process (as in
     ``mlx_lm.server``; noted in ``memo``), or whenever ``MLX_LM_PATCHES_PREFIX_CHECKPOINTS`` is
-    set explicitly; never with ``MLX_LM_PATCHES_PREFIX_CHECKPOINTS=0``."""
-    import os
-
-    from mlx_lm_patches.engine.env import PREFIX_CHECKPOINTS
+    set explicitly (a malformed value is the default, not a setting); never with
+    ``MLX_LM_PATCHES_PREFIX_CHECKPOINTS=0``."""
+    from mlx_lm_patches.engine.env import PREFIX_CHECKPOINTS, given
 
     if max_checkpoints() == 0:
         return False
-    return bool(memo.get(STORE_SEEN)) or bool(os.environ.get(PREFIX_CHECKPOINTS, "").strip())
+    return bool(memo.get(STORE_SEEN)) or given(PREFIX_CHECKPOINTS)
 
 
 def note_kv_quantization(memo: dict, kv_bits, quantized_kv_start) -> None:
