@@ -8,6 +8,10 @@
   ``snapshots - 2`` before the first token, exact, with one warning on stderr and nothing on
   stdout.
 
+Adaptive drafting (on by default) starts with rounds of one draft token and lengthens them only
+where they pay, so it rarely asks for a rollback near the budget: the tests that need rounds of
+the full ``num_draft_tokens`` run with it off (``_fixed_rounds``); one runs as users do (default).
+
 ``mlx_lm.generate --draft-model`` over the budget: test_speculative_entry_points.py.
 """
 
@@ -20,6 +24,13 @@ from mlx_lm_patches.demos.tiny_models import DENSE_MODEL_TYPE, build_tiny_model
 HYBRID = "qwen3_next"  # in every supported release
 SNAPSHOTS = "MLX_LM_PATCHES_ROLLBACK_SNAPSHOTS"
 CAPPED = "num_draft_tokens={} capped to {}"
+
+
+def _fixed_rounds(monkeypatch):
+    """Every round drafts ``num_draft_tokens`` (adaptive drafting off), as the budget needs."""
+    from mlx_lm_patches.engine import env
+
+    monkeypatch.setenv(env.ADAPTIVE_DRAFTING, "0")
 
 
 class _Proposals:
@@ -43,7 +54,8 @@ def test_dense_main_hybrid_draft_beyond_the_default_budget(monkeypatch):
     """The issue's command: 40 draft tokens, default budget (32 states), max_tokens 40. Every
     round here rejects early, so the draft goes back ~39 tokens each time; the first tokens
     (three rounds) are enough to show it (the generator is closed after them). The draft proposes
-    exactly what it proposes with 64 states (a draft left ahead, as stock leaves it, does not)."""
+    exactly what it proposes with 64 states (a draft left ahead, as stock leaves it, does not).
+    Rounds of 40 drafts: adaptive drafting off (with it, these rounds draft one token)."""
     import itertools
 
     import mlx.core as mx
@@ -51,6 +63,7 @@ def test_dense_main_hybrid_draft_beyond_the_default_budget(monkeypatch):
 
     from mlx_lm_patches.demos.scenarios import Decoded
 
+    _fixed_rounds(monkeypatch)
     model = build_tiny_model(DENSE_MODEL_TYPE, seed=1)
     prompt = prompt_tokens(13, seed=3)
     reference = greedy(model, prompt, max_tokens=3)
@@ -64,7 +77,22 @@ def test_dense_main_hybrid_draft_beyond_the_default_budget(monkeypatch):
         steps.close()
         problem = reference.compare(Decoded([int(t) for t, _, _ in first], [lp for _, lp, _ in first]))
         assert problem is None, f"{SNAPSHOTS}={snapshots!r}: {problem}"
+    assert len(proposals[""]) > 3 * 32, "the draft never went back over the budget: the test cannot fail"
     assert proposals[""] == proposals["64"]
+
+
+def test_dense_main_hybrid_draft_beyond_the_budget_with_adaptive_drafting(monkeypatch):
+    """The issue's command as users run it (adaptive drafting on, its default), 16 tokens:
+    the main model's greedy tokens, no refusal."""
+    from mlx_lm_patches.engine import env
+
+    monkeypatch.delenv(env.ADAPTIVE_DRAFTING, raising=False)
+    monkeypatch.delenv(SNAPSHOTS, raising=False)
+    model = build_tiny_model(DENSE_MODEL_TYPE, seed=1)
+    prompt = prompt_tokens(13, seed=3)
+    got = speculative_greedy(model, build_tiny_model(HYBRID, seed=7), prompt, max_tokens=16, num_draft_tokens=40)
+    problem = greedy(model, prompt, max_tokens=16).compare(got)
+    assert problem is None, problem
 
 
 @pytest.mark.parametrize("main_type", [DENSE_MODEL_TYPE, HYBRID])
@@ -73,7 +101,8 @@ def test_hybrid_draft_over_budget_is_resynchronised_exactly(monkeypatch, main_ty
     of 3 goes back to an older state and re-runs more); with 3, a hybrid main model drafts 1
     (its cap). Output: the main model's greedy tokens; the draft proposes exactly what it
     proposes with states to spare (a draft left ahead of the accepted tokens, as stock leaves
-    it, proposes other tokens)."""
+    it, proposes other tokens). Adaptive drafting off: every round drafts ``nd``."""
+    _fixed_rounds(monkeypatch)
     model = build_tiny_model(main_type, seed=1)
     prompt = prompt_tokens(13, seed=3)
     reference = greedy(model, prompt, max_tokens=16)
@@ -92,12 +121,14 @@ def test_hybrid_draft_over_budget_is_resynchronised_exactly(monkeypatch, main_ty
 
 def test_hybrid_main_over_budget_is_capped_before_the_first_token(monkeypatch, caplog):
     """A hybrid main model (and a hybrid draft) asked for 7 draft tokens with 4 states: 2 per
-    round, said once per process and setting (a second generation says nothing), exact."""
+    round, said once per process and setting (a second generation says nothing), exact.
+    Adaptive drafting off, so that uncapped rounds would draft 7 (with it they may draft fewer)."""
     import logging
 
     import mlx.core as mx
     from mlx_lm.generate import speculative_generate_step
 
+    _fixed_rounds(monkeypatch)
     model = build_tiny_model(HYBRID, seed=1)
     prompt = prompt_tokens(13, seed=3)
     reference = greedy(model, prompt, max_tokens=12)
@@ -187,11 +218,13 @@ def folders(tmp_path_factory):
 
 def test_stream_generate_dense_main_hybrid_draft(folders, monkeypatch):
     """``stream_generate(draft_model=...)`` on loaded model folders, three states and three
-    draft tokens: the tokens and log-probabilities of ``stream_generate`` without a draft."""
+    draft tokens (rounds of three: adaptive drafting off): the tokens and log-probabilities of
+    ``stream_generate`` without a draft."""
     import mlx.core as mx
     from mlx_lm import load
     from mlx_lm.generate import stream_generate
 
+    _fixed_rounds(monkeypatch)
     monkeypatch.setenv(SNAPSHOTS, "3")
     model, tokenizer = load(str(folders["dense"]))
     draft, _ = load(str(folders["hybrid-draft"]))

@@ -212,7 +212,8 @@ def apply(p):
 
 def scenario():
     """Hybrid main models speculating with a rejecting hybrid draft and a dense draft; a
-    sliding-window model past its window."""
+    sliding-window model past its window; a dense main model with a hybrid draft asked for
+    more draft tokens than the kept states allow (the draft re-synchronises, never refuses)."""
     from mlx_lm_patches.demos.scenarios import greedy, prompt_tokens, speculative_greedy
     from mlx_lm_patches.demos.tiny_models import available_model_types, build_tiny_model
 
@@ -233,7 +234,7 @@ def scenario():
             if problem:
                 return Outcome.failure(f"{model_type} with a {label}: {problem}")
             details.append(f"{model_type}, {label}: equal to greedy decoding")
-    problem = _past_a_window(details)
+    problem = _past_a_window(details) or _draft_beyond_the_budget(details)
     if problem:
         return Outcome.failure(problem)
     return Outcome(True, "hybrid and sliding-window speculative decoding exact (rejected drafts rolled back)",
@@ -258,4 +259,40 @@ def _past_a_window(details):
     if problem:
         return f"exaone_moe past its sliding window (6) with a dense draft: {problem}"
     details.append("exaone_moe past its sliding window (6), dense draft: equal to greedy decoding")
+    return None
+
+
+def _draft_beyond_the_budget(details):
+    """A dense main model with a hybrid draft asked for 40 draft tokens (more than the default
+    32 kept states allow a rollback of): the draft re-synchronises, never refuses - the main
+    model's greedy tokens, as stock mlx-lm gives them. Three rounds (the first 3 tokens) show
+    it (rounds of 40 forced: adaptive drafting would draft one); what went wrong, or None (the
+    detail is added)."""
+    import itertools
+
+    import mlx.core as mx
+    from mlx_lm.generate import speculative_generate_step
+
+    from mlx_lm_patches.demos.scenarios import Decoded, greedy, prompt_tokens
+    from mlx_lm_patches.demos.tiny_models import build_tiny_model
+    from mlx_lm_patches.mechanisms.adaptive import forced
+
+    model, draft = build_tiny_model("llama", seed=1), build_tiny_model("qwen3_next", seed=7)
+    prompt = prompt_tokens(13, seed=3)
+    steps = None
+    try:
+        steps = speculative_generate_step(mx.array(prompt), model, draft, num_draft_tokens=40, max_tokens=40)
+        with forced([40]):
+            first = list(itertools.islice(steps, 3))
+    except Exception as exc:
+        return f"dense main model, hybrid draft, num_draft_tokens=40: {type(exc).__name__}: {exc}"
+    finally:
+        if steps is not None:
+            steps.close()
+    problem = greedy(model, prompt, max_tokens=3).compare(
+        Decoded([int(t) for t, _, _ in first], [lp for _, lp, _ in first]))
+    if problem:
+        return f"dense main model, hybrid draft, num_draft_tokens=40: {problem}"
+    details.append("dense main model, hybrid draft, num_draft_tokens=40 (over the kept states): "
+                   "equal to greedy decoding")
     return None
