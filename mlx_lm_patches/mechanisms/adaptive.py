@@ -17,7 +17,8 @@ from plain decoding a draft length must win on the unfavourable side of the meas
 catch-up included. At ``k = 0`` it probes now and then with one draft token, after a wait that
 keeps the probe's extra cost (catch-up over the wait included) near ``PROBE_SHARE`` of the plain
 rounds waited; a rejected probe doubles the wait, an accepted one brings it back to the start;
-a catch-up that alone costs more than that share ends the probing for the sequence.
+a catch-up that alone costs more than that share ends the probing for the sequence once drafts
+are rejected (or it costs twice the share; otherwise the probes come at the longest wait).
 
 Tests force a schedule with :func:`forced` (``k`` per round, whatever the controller thinks).
 """
@@ -94,6 +95,7 @@ class Controller:
         self.floored = False  # the first wait for a probe was set from the measured costs
         self.retired = False  # no more probes in this sequence
         self.probed = False  # the last round was a probe
+        self.rejected_seen = False  # a draft token was rejected in this sequence
         self.catch_up = 0.0  # seconds per missed token of the draft's catch-up after plain rounds
 
     # -- what was seen -------------------------------------------------------------------------
@@ -111,6 +113,7 @@ class Controller:
         self.rounds += 1
         probe, self.probing = self.probing, False
         self.probed = probe
+        self.rejected_seen = self.rejected_seen or kept < k
         for accepted in [1.0] * kept + ([0.0] if kept < k else []):
             self.accepted = DECAY * self.accepted + accepted
             self.rejected = DECAY * self.rejected + (1.0 - accepted)
@@ -134,10 +137,15 @@ class Controller:
             self.interval = FIRST_INTERVAL if kept else 2 * self.interval
             wait = self._probe_wait(0.0 if kept else (self.rollback or 0.0))
             if wait is None:
-                self.retired = not kept
+                self.retired = not kept or self._catch_up_share() >= 2 * PROBE_SHARE
+                self.interval = MOST_INTERVAL
             else:
                 self.interval = max(self.interval, wait)
             self.interval = min(self.interval, MOST_INTERVAL)
+
+    def _catch_up_share(self):
+        plain = self.seconds.get(0)
+        return self.catch_up / plain if plain else 0.0
 
     def _probe_wait(self, rollback):
         """Plain rounds before a probe so that its extra cost - a round of one draft over a plain
@@ -252,8 +260,8 @@ class Controller:
             return 1
         if len(self.recent.get(0, ())) < START_PLAIN:
             return 0
-        if 1 not in self.seconds and len(self.seconds) < 2:
-            return 1
+        if len(self.seconds) < 2 and (1 not in self.seconds or (len(self.recent[1]) < 2 and not self.rejected_seen)):
+            return 1  # rounds of one draft until one is timed (two while every draft is accepted)
         # in a run of plain rounds the choice is looked at again every RECENT rounds (a plain
         # step can be a millisecond: the controller must cost next to nothing there)
         k = self.best() if self.plain_run % RECENT == 0 else 0
@@ -263,10 +271,13 @@ class Controller:
             self.floored = True
             # leaving drafting: the first probe waits until its cost is about PROBE_SHARE of the wait
             wait = self._probe_wait(self.rollback or 0.0)
-            if wait is None:
-                self.retired = True
-            else:
+            if wait is not None:
                 self.interval = min(wait, MOST_INTERVAL)
+            elif self.acceptance < PRIOR[0] / PRIOR[1] or self._catch_up_share() >= 2 * PROBE_SHARE:
+                self.retired = True  # no probe is cheap: plain decoding to the end of the sequence
+            else:
+                # left for its costs while accepted, catch-up under twice the share: the rarest probes
+                self.interval = MOST_INTERVAL
         if self.plain_run >= self.interval and not self.retired:
             self.probing = True
             return 1
