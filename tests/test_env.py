@@ -147,9 +147,8 @@ def test_the_bootstrap_decides_with_env_py_words():
     import importlib.util
     import pathlib
 
-    import mlx_lm_patches
-
-    path = pathlib.Path(mlx_lm_patches.__file__).parent / "_activation" / "_mlx_lm_patches_boot.py"
+    # the sources (a wheel installs these two files at the top of site-packages)
+    path = pathlib.Path(__file__).resolve().parents[1] / "mlx_lm_patches" / "_activation" / "_mlx_lm_patches_boot.py"
     spec = importlib.util.spec_from_file_location("_boot_words_under_test", path)
     boot = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(boot)  # defines, arms nothing

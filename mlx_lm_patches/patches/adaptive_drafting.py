@@ -146,8 +146,11 @@ def _segments(wrapped, bound, most, max_tokens, schedule):
     plain_options = {name: arguments[name] for name in PLAIN_OPTIONS if name in arguments}
     follows = bool(getattr(draft_model, "follows_main_model", False))  # an MTP draft catches up itself
     # fresh caches and a separate draft model: the sequence starts with plain decoding (the
-    # prompt through generate_step), the draft prefilled by its first catch-up
-    plain_start = prompt_cache is None and not follows
+    # prompt through generate_step), the draft prefilled by its first catch-up; a supplied cache
+    # (the outer wrappers hand it over as the stand-in's caller_caches) is prefilled by mlx-lm's
+    # loop as in stock, where prefix reuse keeps its states
+    supplied = prompt_cache is not None or getattr(model, "caller_caches", None) is not None
+    plain_start = not supplied and not follows  # (a supplied cache is prefilled by mlx-lm's loop, as stock)
     controller = Controller(most, schedule, plain_start=plain_start)
     sequence = [int(t) for t in mx.array(arguments["prompt"]).reshape(-1).tolist()]
     draft_seen = 0 if plain_start else None  # positions of `sequence` the draft holds (None: the first segment's own count)
