@@ -150,7 +150,7 @@ def _segments(wrapped, bound, most, max_tokens, schedule):
     # (the outer wrappers hand it over as the stand-in's caller_caches) is prefilled by mlx-lm's
     # loop as in stock, where prefix reuse keeps its states
     supplied = prompt_cache is not None or getattr(model, "caller_caches", None) is not None
-    plain_start = not supplied and not follows  # (a supplied cache is prefilled by mlx-lm's loop, as stock)
+    plain_start = not supplied and not follows
     controller = Controller(most, schedule, plain_start=plain_start)
     sequence = [int(t) for t in mx.array(arguments["prompt"]).reshape(-1).tolist()]
     draft_seen = 0 if plain_start else None  # positions of `sequence` the draft holds (None: the first segment's own count)
@@ -161,39 +161,14 @@ def _segments(wrapped, bound, most, max_tokens, schedule):
     try:
         while produced < max_tokens:
             if k == 0:
-                # a plain stretch, a token per round, until the controller drafts again
-                sampler = _KeepsLastSample(arguments.get("sampler"))
                 prompt = arguments["prompt"] if first_segment else mx.array(sequence[-1:], mx.uint32)
                 first_segment = False
-                steps = plain_step(prompt, model, max_tokens=max_tokens - produced,
-                                   sampler=sampler, prompt_cache=main_caches, **plain_options)
-                journal = journal_of(main_caches)
-                chosen, timed = 0, False
-                with journal.paused() if journal is not None else contextlib.nullcontext():
-                    while chosen == 0:
-                        start = time.perf_counter()
-                        item = next(steps, None)
-                        spent = time.perf_counter() - start
-                        if item is None:
-                            return
-                        produced += 1
-                        sequence.append(int(item[0]))
-                        yield item[0], item[1], False
-                        if produced >= max_tokens:
-                            return
-                        # the first token's time holds the stretch's start (a step not overlapped yet)
-                        controller.observe(0, 0, spent if timed else None)
-                        timed = True
-                        chosen = controller.choose(max_tokens - produced)
-                steps.close()
-                steps = None
-                # generate_step runs a token ahead: the caches hold every token yielded and the
-                # next one is sampled; it is the last plain token, and the next segment's prompt
-                token, logprobs = sampler.last
-                produced += 1
-                sequence.append(int(token.item()))
-                yield sequence[-1], logprobs.squeeze(0), False
-                k = chosen
+                before = len(sequence)
+                k = yield from _plain_rounds(plain_step, prompt, model, main_caches, arguments.get("sampler"),
+                                             plain_options, controller, sequence, max_tokens - produced)
+                if len(sequence) == before:
+                    return  # (generate_step ended: it only does at max_tokens)
+                produced += len(sequence) - before
                 continue
             lag = []
             if not first_segment and not follows and draft_seen is not None:
@@ -247,6 +222,44 @@ def _segments(wrapped, bound, most, max_tokens, schedule):
     finally:
         if steps is not None:
             steps.close()
+
+
+def _plain_rounds(plain_step, prompt, model, caches, sampler, options, controller, sequence, left):
+    """Plain rounds through mlx-lm's own ``generate_step`` (pipelined), a token each, until the
+    controller drafts again or ``left`` tokens are out; yields the tokens, appends them to
+    ``sequence``; returns the controller's next draft length (0 when the tokens ran out). A
+    hybrid's rollback journal is paused: nothing here is ever rolled back."""
+    from mlx_lm_patches.mechanisms.journal import journal_of
+
+    sampler = _KeepsLastSample(sampler)
+    steps = plain_step(prompt, model, max_tokens=left, sampler=sampler, prompt_cache=caches, **options)
+    journal = journal_of(caches)
+    produced, chosen, timed = 0, 0, False
+    try:
+        with journal.paused() if journal is not None else contextlib.nullcontext():
+            while chosen == 0:
+                start = time.perf_counter()
+                item = next(steps, None)
+                spent = time.perf_counter() - start
+                if item is None:
+                    return 0
+                produced += 1
+                sequence.append(int(item[0]))
+                yield item[0], item[1], False
+                if produced >= left:
+                    return 0
+                # the first token's time holds the run's start (a step not overlapped yet)
+                controller.observe(0, 0, spent if timed else None)
+                timed = True
+                chosen = controller.choose(left - produced)
+    finally:
+        steps.close()
+    # generate_step runs a token ahead: the caches hold every token yielded and the next one is
+    # sampled; it is the last plain token, and the next speculative run's prompt
+    token, logprobs = sampler.last
+    sequence.append(int(token.item()))
+    yield sequence[-1], logprobs.squeeze(0), False
+    return chosen
 
 
 def _draft_calls(wrapped, limit=12):
