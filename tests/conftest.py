@@ -269,6 +269,24 @@ def _family_sweep(request):
             pytest.skip(reason)
 
 
+@pytest.fixture(autouse=True)
+def _kv_quantization_forgotten():
+    """Generating with ``kv_bits`` marks the process as quantizing its KV caches (as a server
+    with ``--kv-bits`` is: prefix restores on long prompts are declined from then on); forget it
+    before and after each test, so no test depends on which ran before it."""
+    def forget():  # only where an engine runs: the fixture itself starts nothing
+        engine = getattr(sys.modules.get("mlx_lm_patches.engine.core"), "_engine", None)
+        record = engine.records.get("prompt-cache-prefix-reuse") if engine is not None else None
+        if record is not None and record.patcher is not None:
+            from mlx_lm_patches.mechanisms.prefix_reuse.settings import QUANTIZED_FROM
+
+            record.patcher.memo.pop(QUANTIZED_FROM, None)
+
+    forget()
+    yield
+    forget()
+
+
 @contextlib.contextmanager
 def reverted(*ids):
     """The given patches (every patch if none is given) reverted for a block (stock mlx-lm for

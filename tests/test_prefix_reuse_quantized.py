@@ -109,17 +109,6 @@ def _memo():
     return patcher.memo if patcher is not None else {}
 
 
-@pytest.fixture(autouse=True)
-def _kv_quantization_forgotten():
-    """Generating with ``kv_bits`` marks the process as quantizing its KV caches (as a server
-    with ``--kv-bits`` is); forget it after each test, so later tests reuse as usual."""
-    from mlx_lm_patches.mechanisms.prefix_reuse.settings import QUANTIZED_FROM
-
-    _memo().pop(QUANTIZED_FROM, None)
-    yield
-    _memo().pop(QUANTIZED_FROM, None)
-
-
 def _differ(warm, cold):
     return [t for t, _ in warm] != [t for t, _ in cold] or max(abs(w - c) for (_, w), (_, c) in zip(warm, cold)) > 1e-4
 
