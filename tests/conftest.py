@@ -189,42 +189,6 @@ def pytest_runtest_makereport(item, call):
             report.sections.append((f"mlx_lm.server log ({name}, tail)", value.log_tail(80)))
 
 
-# Tests that depend on the Python version but not on the installed mlx-lm: tools/run_matrix.py
-# runs them on one row per Python version (``-m "not python_only"`` on the others).
-PYTHON_ONLY = (
-    "test_activation.py",
-    "test_engine_fake.py",
-    "test_env.py",
-    "test_matrix_file.py",
-    "test_run_matrix.py",
-    "test_cli.py::test_status_text_and_disabled_activation",
-    "test_cli.py::test_status_exits_non_zero_when_a_patch_failed",
-    "test_cli.py::test_check_unknown_id_is_a_clear_error",
-    "test_cli.py::test_table_matches_matrix",
-)
-
-
-# What every row of the matrix runs, ``suite: core`` rows included (compat_matrix.yaml): the
-# matrix cells (each patch's scenario stock and patched, through ``check``), the probes' traces,
-# decoding's calls per token, and what changes with each release beside the patches' scenarios:
-# batching, cache construction and offsets, MambaCache, MTP weights at load, ``max_kv_size``.
-CORE = (
-    "test_matrix_cells.py",
-    "test_cli.py",
-    "test_probe_traces.py",
-    "test_decode_overhead.py",
-    "test_batching.py",
-    "test_mamba_cache_compat.py",
-    "test_arrays_cache_optional_size.py",
-    "test_arrays_cache_graph.py",
-    "test_offset_consumers.py",
-    "test_mtp_load.py",
-    "test_mtp_load_paths.py",
-    "test_max_kv_size.py",
-    "test_fixtures.py",
-)
-
-
 def pytest_configure(config):
     """Every patch applied once, before any test module is imported (modules bind patched
     objects such as ``MambaCache`` or ``make_prompt_cache`` at import); with
@@ -236,6 +200,8 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    from row_selection import CORE, PYTHON_ONLY
+
     for item in items:
         where = f"{item.path.name}::{item.originalname}"
         if item.path.name in PYTHON_ONLY or where in PYTHON_ONLY:

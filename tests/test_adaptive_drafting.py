@@ -17,12 +17,9 @@ of each round, and the output never moves.
 
 import pytest
 
-import mlx_lm_patches
 from mlx_lm_patches.demos.scenarios import continue_after_speculation, greedy, prompt_tokens
 from mlx_lm_patches.demos.tiny_models import DENSE_MODEL_TYPE, available_model_types, build_tiny_model
 from mlx_lm_patches.mechanisms.adaptive import Controller, forced
-
-mlx_lm_patches.apply()
 
 import mlx.core as mx  # noqa: E402
 

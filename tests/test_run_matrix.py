@@ -143,11 +143,12 @@ def test_a_row_selects_its_suite(run_matrix, suite, python_only, twin, expected)
 
 def test_a_core_row_collects_the_core_files(run_matrix):
     """The expression selects what it says on a real collection (one, for time): a ``core`` row
-    collects the files tests/conftest.py lists in CORE, each of them."""
+    collects the files tests/row_selection.py lists in CORE, each of them."""
     import subprocess
     import sys
 
-    from conftest import CORE, REPO
+    from conftest import REPO
+    from row_selection import CORE
 
     def collected(expression):
         ran = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
@@ -156,3 +157,21 @@ def test_a_core_row_collects_the_core_files(run_matrix):
 
     core = collected(run_matrix.marker_expression(dict(suite="core", python_only=False, mlx_twin=False)))
     assert core == set(CORE), sorted(core ^ set(CORE))
+
+
+def test_rows_are_the_matrix_rows_and_every_selected_file_exists(run_matrix):
+    """The tool reads ``tested_versions`` through the package's matrix reader, and every file
+    tests/row_selection.py names is a test module (a rename would otherwise drop it silently)."""
+    from conftest import REPO
+    from mlx_lm_patches.engine import matrix
+
+    import row_selection
+
+    rows = run_matrix.load_rows()
+    assert [r["name"] for r in rows] == [t.name for t in matrix.load().tested_versions]
+    named = [n.split("::")[0] for n in row_selection.PYTHON_ONLY + row_selection.CORE]
+    named += [f.rsplit("/", 1)[-1] for f in row_selection.package_row_files(row_selection.PACKAGES)]
+    missing = sorted({n for n in named if not (REPO / "tests" / n).is_file()})
+    assert not missing, missing
+    with_vlm = run_matrix.row_selection().package_row_files(["mlx-vlm"])
+    assert with_vlm[-1] == "tests/test_mlx_vlm_batching.py" and "tests/test_matrix_cells.py" in with_vlm

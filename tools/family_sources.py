@@ -4,7 +4,7 @@ family's model source (see tests/support/sweeps.py, which decides the family swe
 Reads the released wheels (downloaded once into ~/.cache/mlx-lm-patches/wheels with python3 -m pip, from
 PyPI); run it after adding a row to ``tested_versions``:
 
-    uv run -q --no-project --with pyyaml python tools/family_sources.py
+    uv run -q --no-project --with pyyaml --with packaging python tools/family_sources.py
 """
 
 import json
@@ -12,8 +12,6 @@ import subprocess
 import sys
 import zipfile
 from pathlib import Path
-
-import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
@@ -54,8 +52,10 @@ def wheel(version: str) -> Path:
 
 
 def main() -> int:
-    data = yaml.safe_load((REPO / "compat_matrix.yaml").read_text())
-    releases = sorted({str(row["mlx_lm"]) for row in data["tested_versions"]},
+    from mlx_lm_patches.engine import matrix
+
+    tested = matrix.load(str(REPO / "compat_matrix.yaml")).tested_versions
+    releases = sorted({row.mlx_lm for row in tested},
                       key=lambda v: tuple(int(p) for p in v.split(".")))
     families = swept_model_types()
     record = {}

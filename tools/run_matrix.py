@@ -24,7 +24,7 @@ What keeps a full run inside CI's budget (2 cores), without dropping a cell:
   any other row is left.
 * no ``--compile-bytecode``: sessions write the bytecode of what they import (see ``_env``).
 * A row with ``suite: core`` (compat_matrix.yaml) runs the tests marked ``core`` (the matrix
-  cells and what changes with every release; tests/conftest.py ``CORE``), the others everything:
+  cells and what changes with every release; tests/row_selection.py ``CORE``), the others everything:
   the full suite on every release took 85 minutes on 2 cores; a few full rows spread over the
   releases keep the run inside the budget (the matrix file says which and why).
 * Tests marked ``python_only`` (activation, the engine on a fake package, variables, the matrix
@@ -36,8 +36,10 @@ What keeps a full run inside CI's budget (2 cores), without dropping a cell:
   on mlx: they run on the release's own row (its release-time mlx) and are deselected on a row
   that only pairs the same release with a newer mlx; that row runs everything else in-process.
 * A row with further ``packages`` runs the tests of those packages, the matrix cells, the CLI and
-  the probes' traces (``PACKAGE_TESTS``, ``PACKAGE_ROW_TESTS``): everything else is its mlx-lm
-  release's, proven on the release's own row.
+  the probes' traces: everything else is its mlx-lm release's, proven on the release's own row.
+* Which tests are ``core``, ``python_only`` or a package row's is declared once, in
+  tests/row_selection.py (tests/conftest.py marks the tests from it); the rows are read through
+  the package's own matrix reader (``mlx_lm_patches.engine.matrix``).
 * Packages whose default install drags in what no test uses are installed without their
   dependencies, plus the ones their tested code imports (``WITHOUT_DEPENDENCIES``): a default
   vllm-mlx install pulls torch with CUDA wheels (~2.5 GB) through torchvision.
@@ -67,15 +69,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import yaml
-
 REPO = Path(__file__).resolve().parent.parent
 WORK = REPO / ".matrix"
-# a row with further packages runs these files of theirs, plus PACKAGE_ROW_TESTS
-PACKAGE_TESTS = {"mlx-vlm": ["tests/test_mlx_vlm_batching.py"], "vllm-mlx": ["tests/test_vllm_mlx.py"]}
 # package -> what its engine and server import beyond mlx-lm's and mlx-vlm's dependencies
 WITHOUT_DEPENDENCIES = {"vllm-mlx": ["jsonschema"]}
-PACKAGE_ROW_TESTS = ["tests/test_matrix_cells.py", "tests/test_cli.py", "tests/test_probe_traces.py"]
 # seconds each row's tests took in the last full runs: the order groups are scheduled in
 DURATIONS = REPO / "tools" / "matrix_durations.json"
 KERNEL_CACHES = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "mlx-lm-patches" / "mlx-tmp"
@@ -240,7 +237,7 @@ def session(row, prefetch: Prefetch, rows, index, pytest_args) -> dict:
                             VIRTUAL_ENV=str(venv), PATH=f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}")
             selection = ["-m", marks] if (marks := marker_expression(row)) else []
             if row["packages"] and not row["python_only"] and not pytest_args:
-                selection += PACKAGE_ROW_TESTS + [f for name, _ in row["packages"] for f in PACKAGE_TESTS.get(name, [])]
+                selection += row_selection().package_row_files([name for name, _ in row["packages"]])
             tested = True
             rc = _step(out, [str(venv / "bin" / "pytest"), "-q", "-p", "no:cacheprovider", "-rfE", "--durations=40", *selection, *pytest_args],
                        test_env, cwd=str(REPO))
@@ -278,6 +275,27 @@ def marker_expression(row) -> str:
     if row["mlx_twin"]:
         terms.append("not release_only")
     return " and ".join(terms)
+
+
+def load_rows() -> list:
+    """The rows of ``tested_versions``, read and validated by the package's own matrix reader
+    (``mlx_lm_patches.engine.matrix``, imported from this checkout), as the dicts the sessions
+    and the schedule annotate."""
+    sys.path.insert(0, str(REPO))
+    from mlx_lm_patches.engine import matrix
+
+    return [dict(name=t.name, mlx_lm=t.mlx_lm, mlx=t.mlx, python=t.python, suite=t.suite, packages=list(t.packages))
+            for t in matrix.load(str(REPO / "compat_matrix.yaml")).tested_versions]
+
+
+def row_selection():
+    """tests/row_selection.py: which tests a row runs, declared once (plain data)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("row_selection", REPO / "tests" / "row_selection.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def release(version: str) -> tuple:
@@ -370,16 +388,7 @@ def main() -> int:
     parser.add_argument("pytest_args", nargs="*", help="after --: extra pytest arguments")
     args = parser.parse_args()
 
-    data = yaml.safe_load((REPO / "compat_matrix.yaml").read_text())
-    rows = []
-    for row in data["tested_versions"]:
-        packages = sorted((str(k), str(v)) for k, v in (row.get("packages") or {}).items())
-        row = {k: str(v) for k, v in row.items() if k != "packages"}
-        row.setdefault("suite", "full")
-        row["packages"] = packages  # further distributions this row installs: [(name, version)]
-        row["name"] = (f"mlx-lm-{row['mlx_lm']}_mlx-{row['mlx']}_py{row['python']}"
-                       + "".join(f"_{name}-{version}" for name, version in packages))
-        rows.append(row)
+    rows = load_rows()
     mark_python_only_rows(rows)
     mark_upstream_rows(rows)
     mark_mlx_twins(rows)
