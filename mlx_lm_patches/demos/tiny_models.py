@@ -1268,3 +1268,18 @@ def cache_leaf_kinds(model: nn.Module) -> List[str]:
         else:
             out.append(type(c).__name__)
     return out
+
+
+def nearby_model(model_type: str, seed: int = 0, scale: float = 0.02) -> nn.Module:
+    """``build_tiny_model(model_type, seed)`` with every matrix moved by deterministic noise of
+    ``scale``: a draft that agrees with that model on most tokens, not all (how much falls as
+    ``scale`` grows), so speculation accepts a different number of tokens on different rows."""
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    model = build_tiny_model(model_type, seed=seed)
+    moved = [(name, value + scale * mx.random.normal(value.shape, key=mx.random.key(1000 + i)).astype(value.dtype))
+             if value.ndim >= 2 and mx.issubdtype(value.dtype, mx.floating) else (name, value)
+             for i, (name, value) in enumerate(tree_flatten(model.parameters()))]
+    model.update(tree_unflatten(moved))
+    mx.eval(model.parameters())
+    return model

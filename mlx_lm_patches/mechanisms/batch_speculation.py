@@ -1,0 +1,281 @@
+"""Speculative decoding inside mlx-lm's ``GenerationBatch``: every row drafts, one batched
+forward pass verifies all rows, each row accepts its own number of tokens.
+
+A round, for a batch of ``B`` rows and ``k`` draft tokens (``W = k + 1``):
+
+* **Known tokens.** Each row's *known* sequence is its prompt and every token emitted so far.
+  The main model's caches hold a prefix of it (``GenerationBatch.tokens[i]``, as in stock); the
+  rest is the row's *pending* tokens (at least one: the last token sampled). The draft model's
+  caches hold the known sequence but its last token.
+* **Draft.** ``k + 1`` single-token calls of the draft model for the whole batch: the last known
+  token, then each token it proposes (the last call only puts ``d_k`` into its caches, so every
+  row's draft cache can be cut back to what the row accepts).
+* **Verify.** One call of the main model over ``W`` tokens per row: its pending tokens, then as
+  many of its drafts as fit (a row with logits processors takes none: its next token is sampled
+  from processed logits, as ``GenerationBatch`` does, and any draft slot is filled and refused).
+  Each row's sampler picks a token at every position; a row accepts its drafts while they equal
+  what the main model picked, and gains one more token (the pick after the last accepted draft).
+* **Rows go back on their own.** Attention caches (``BatchKVCache``) drop each row's rejected
+  positions: every row by the fewest dropped, then a row with more to drop is moved right inside
+  the cache by the rest, and its left padding grows by as much, so the masks and positions mlx-lm
+  computes from ``left_padding`` and ``offset`` leave them out, exactly as for a shorter prompt.
+  Recurrent caches (``ArraysCache``) take each row's state from the call after which it is the
+  right one: the draft's states are kept after each of its single-token calls, so every row's is
+  exact; the main model's only before and after the verify pass, so a hybrid row keeps the pass
+  when it accepted everything and otherwise goes back to before it, its accepted tokens staying
+  pending (they are fed again in front of the next round's drafts, which then has fewer slots).
+  A dense row keeps exactly what it accepted.
+
+Every token a row emits comes from the main model's logits over that row's known prefix, so the
+answer is the one greedy decoding gives; nothing is reset. Caches other than ``BatchKVCache`` and
+``ArraysCache`` (also inside a ``CacheList``): rotating windows, quantized caches, are not handled:
+:func:`hostable` says so before a generator starts speculating.
+"""
+
+from typing import List, Optional
+
+CACHE = "mlx_lm.models.cache"
+GENERATE = "mlx_lm.generate"
+
+
+def unhostable(caches) -> Optional[str]:
+    """Why a batch of these caches (one sequence's, as ``make_prompt_cache`` builds them) cannot
+    speculate, or None."""
+    import sys
+
+    from mlx_lm_patches.mechanisms.caches import flat_caches
+
+    cache = sys.modules[CACHE]
+    for c in flat_caches(caches):
+        if type(c) is not cache.KVCache and not isinstance(c, cache.ArraysCache):
+            return f"{type(c).__name__} layers (only KVCache and ArraysCache rows go back on their own)"
+    return None
+
+
+def _is_recurrent(cache) -> bool:
+    import sys
+
+    return isinstance(cache, sys.modules[CACHE].ArraysCache)
+
+
+def _states(caches):
+    """The recurrent layers' states as they are (by reference: models replace their cache slots),
+    per leaf cache (``CacheList`` entries expanded)."""
+    from mlx_lm_patches.mechanisms.caches import flat_caches
+
+    return [(list(c.cache), c.left_padding) if _is_recurrent(c) else None for c in flat_caches(caches)]
+
+
+def _padding(caches):
+    """Recurrent layers' ``left_padding``: models that ``advance`` it build a graph per step
+    (evaluated with every round, as ``arrays-cache-metadata-graph`` does for plain steps)."""
+    from mlx_lm_patches.mechanisms.caches import flat_caches
+
+    return [c.left_padding for c in flat_caches(caches) if _is_recurrent(c) and c.left_padding is not None]
+
+
+def rewind_rows(caches, width: int, keep: List[int], states=None) -> None:
+    """Every row of ``caches`` (batch caches) went forward by ``width`` tokens since ``states``
+    were taken; row ``i`` keeps ``keep[i]`` of them. ``states[j]`` holds the recurrent states after
+    ``j`` of the ``width`` tokens (from :func:`_states`), for every ``j`` some row keeps."""
+    import mlx.core as mx
+
+    from mlx_lm_patches.mechanisms.caches import flat_caches
+
+    drop = [width - n for n in keep]
+    if not any(drop):
+        return
+    rows = mx.array(keep)
+    for index, c in enumerate(flat_caches(caches)):
+        if _is_recurrent(c):
+            chosen, padding = list(c.cache) + [c.left_padding], None
+            for j in sorted(set(keep)):
+                if j == width:
+                    continue
+                saved_slots, saved_padding = states[j][index]
+                for slot, (now, then) in enumerate(zip(chosen, saved_slots + [saved_padding])):
+                    if now is None or then is None:
+                        continue
+                    where = (rows == j).reshape((-1,) + (1,) * (now.ndim - 1))
+                    chosen[slot] = mx.where(where, then, now)
+            c.cache, c.left_padding = chosen[:-1], chosen[-1]  # models that ``advance`` moved it
+            continue
+        least = min(drop)
+        if least:
+            c.trim(least)
+        extra = [d - least for d in drop]
+        if any(extra):
+            _move_right(c, extra)
+
+
+def _move_right(c, extra: List[int]) -> None:
+    """Drop ``extra[i]`` newest positions of row ``i`` of a ``BatchKVCache``: the row's keys and
+    values move right by as much and its left padding grows by as much."""
+    import mlx.core as mx
+
+    end = c._idx
+    shift = mx.array(extra)
+    source = mx.maximum(mx.arange(end)[None, :] - shift[:, None], 0)[:, None, :, None]
+    c.keys[..., :end, :] = mx.take_along_axis(c.keys[..., :end, :], source, axis=2)
+    c.values[..., :end, :] = mx.take_along_axis(c.values[..., :end, :], source, axis=2)
+    c.left_padding = c.left_padding + shift
+    c.offset = c.offset - shift
+
+
+def _settled(model, caches, held: List[int], wanted: List[int]):
+    """``caches`` (one sequence's) hold ``held``; bring them to ``wanted`` where exact. Returns
+    ``(caches, the tokens they hold)``."""
+    import mlx.core as mx
+
+    from mlx_lm_patches.mechanisms.caches import flat_caches
+
+    if len(held) > len(wanted):
+        leaves = flat_caches(caches)
+        if all(not _is_recurrent(c) and c.is_trimmable() for c in leaves):
+            for c in leaves:
+                c.trim(len(held) - len(wanted))
+            held = wanted
+    elif len(held) < len(wanted):
+        model(mx.array(wanted[len(held):])[None], cache=caches)
+        mx.eval([c.state for c in caches])
+        held = wanted
+    return caches, list(held)
+
+
+class Speculation:
+    """The speculative state of one ``GenerationBatch``: the draft model and its batch caches,
+    and each row's pending tokens."""
+
+    def __init__(self, draft, num_draft_tokens: int, prefill_step_size: int, main_has_recurrent: bool):
+        self.draft = draft
+        self.k = max(1, int(num_draft_tokens))
+        self.prefill_step_size = prefill_step_size
+        self.main_has_recurrent = main_has_recurrent
+        self.draft_cache = []
+        self.pending = []  # per row: [(token, logprobs, emitted)]
+
+    # -- rows joining and leaving -------------------------------------------------------------
+
+    def join(self, tokens: List[List[int]], first_tokens, first_logprobs) -> None:
+        """New rows (their known tokens in the main model's caches, and the token sampled after
+        them, not yet emitted): their draft caches are prefilled with the same tokens."""
+        import sys
+
+        import mlx.core as mx
+
+        generate = sys.modules[GENERATE]
+        make_prompt_cache = sys.modules[CACHE].make_prompt_cache
+        row_caches = []
+        for history in tokens:
+            cache = make_prompt_cache(self.draft)
+            for start in range(0, len(history), self.prefill_step_size):
+                self.draft(mx.array(history[start:start + self.prefill_step_size])[None], cache=cache)
+                mx.eval([c.state for c in cache])
+            row_caches.append(cache)
+        firsts = first_tokens.tolist() if first_tokens is not None else []
+        self.draft_cache = generate._extend_cache(self.draft_cache, generate._merge_caches(row_caches))
+        self.pending.extend([(int(t), lp, False)] for t, lp in zip(firsts, first_logprobs))
+
+    def keep_rows(self, keep: List[int]) -> None:
+        self.pending = [self.pending[i] for i in keep]
+        if not keep:
+            self.draft_cache = []
+        else:
+            for c in self.draft_cache:
+                c.filter(keep)
+
+    def extract_draft(self, idx: int):
+        return [c.extract(idx) for c in self.draft_cache]
+
+    def finished_row(self, batch, i: int, discarded: int):
+        """A row that finished with its last ``discarded`` known tokens not emitted: its main then
+        draft caches, each brought to hold exactly its prompt and emitted tokens where that is
+        exact (an attention-only cache drops what it holds beyond them; tokens not yet fed are
+        fed through the model's own forward), and the tokens the main caches hold."""
+        known = batch.tokens[i] + [t for t, _, _ in self.pending[i]]
+        wanted = known[:len(known) - discarded]
+        main, held = _settled(batch.model, [c.extract(i) for c in batch.prompt_cache], batch.tokens[i], wanted)
+        draft, _ = _settled(self.draft, self.extract_draft(i), known[:-1], wanted)
+        return main + draft, held
+
+    # -- a round ------------------------------------------------------------------------------
+
+    def round(self, batch):
+        """One speculative round over ``batch`` (a ``GenerationBatch``): per row, the tokens it
+        emits ``[(token, logprobs)]``, in order. The batch's caches and ``tokens`` and this
+        object's state are moved forward."""
+        import mlx.core as mx
+
+        B, k, width = len(batch.uids), self.k, self.k + 1
+        samplers = [batch.fallback_sampler if s is None else s for s in (batch.samplers or [None] * B)]
+        processors = [tuple(p or ()) for p in (batch.logits_processors or [()] * B)]
+
+        shared = all(s is samplers[0] for s in samplers)
+
+        def sample(logprobs):  # (B, n, V) -> (B, n): each row by its own sampler
+            rows, n = logprobs.shape[:2]
+            if shared:
+                return samplers[0](logprobs.reshape(rows * n, -1)).reshape(rows, n)
+            return mx.stack([s(logprobs[i]) for i, s in enumerate(samplers)])
+
+        # draft: k + 1 single-token calls, the recurrent states kept after each
+        last = mx.array([p[-1][0] for p in self.pending])[:, None]
+        draft_states = [_states(self.draft_cache)]
+        proposals, x = [], last
+        for j in range(width):
+            logits = self.draft(x, cache=self.draft_cache)[:, -1, :]
+            draft_states.append(_states(self.draft_cache))
+            if j < k:
+                x = sample((logits - mx.logsumexp(logits, axis=-1, keepdims=True))[:, None])
+                proposals.append(x)
+        drafts = mx.concatenate(proposals, axis=1)  # (B, k)
+
+        # verify: each row's pending tokens, then its drafts
+        counts = [len(p) for p in self.pending]
+        slots = [0 if processors[i] else width - counts[i] for i in range(B)]
+        known = mx.array([[t for t, _, _ in p] + [0] * (width - len(p)) for p in self.pending])
+        position = mx.arange(width)[None, :] - mx.array(counts)[:, None]
+        from_drafts = mx.take_along_axis(drafts, mx.clip(position, 0, k - 1), axis=1)
+        inputs = mx.where(position >= 0, from_drafts, known)
+        main_states = _states(batch.prompt_cache) if self.main_has_recurrent else None
+        logits = batch.model(inputs, cache=batch.prompt_cache)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        picked = sample(logprobs)
+        mx.eval(picked, drafts, logprobs, _padding(batch.prompt_cache), _padding(self.draft_cache))
+
+        picked_rows, draft_rows = picked.tolist(), drafts.tolist()
+        emitted, main_keep, draft_keep = [], [], []
+        for i in range(B):
+            n, at = counts[i], counts[i] - 1
+            row_logprobs = logprobs[i]
+            if processors[i]:
+                context = mx.array(batch.tokens[i] + [t for t, _, _ in self.pending[i]])
+                row_logits = logits[i, at:at + 1]
+                for processor in processors[i]:
+                    row_logits = processor(context, row_logits)
+                processed = row_logits - mx.logsumexp(row_logits, axis=-1, keepdims=True)
+                bonus = int(samplers[i](processed).item())
+                accepted, bonus_logprobs = [], processed[0]
+            else:
+                a = 0
+                while a < slots[i] and draft_rows[i][a] == picked_rows[i][at + a]:
+                    a += 1
+                accepted = [(draft_rows[i][m], row_logprobs[at + m]) for m in range(a)]
+                bonus, bonus_logprobs = picked_rows[i][at + a], row_logprobs[at + a]
+            out = [(t, lp) for t, lp, done in self.pending[i] if not done]
+            out += accepted + [(bonus, bonus_logprobs)]
+            emitted.append(out)
+            fed = n + len(accepted)
+            if not self.main_has_recurrent or fed == width:
+                batch.tokens[i].extend(t for t, _, _ in self.pending[i])
+                batch.tokens[i].extend(t for t, _ in accepted)
+                main_keep.append(fed)
+                self.pending[i] = [(bonus, bonus_logprobs, True)]
+            else:
+                main_keep.append(0)
+                self.pending[i] = ([(t, lp, True) for t, lp, _ in self.pending[i]]
+                                   + [(t, lp, True) for t, lp in accepted] + [(bonus, bonus_logprobs, True)])
+            draft_keep.append(1 + len(accepted))
+        rewind_rows(batch.prompt_cache, width, main_keep, [main_states] if main_states else None)
+        rewind_rows(self.draft_cache, width, draft_keep, draft_states)
+        return emitted

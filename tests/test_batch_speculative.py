@@ -1,0 +1,212 @@
+"""Concurrent sequences decoding speculatively together (patch ``batch-speculative-decoding``).
+
+``BatchGenerator(model, draft_model=..., num_draft_tokens=k)``: every row drafts, one batched
+pass verifies all rows, each row accepts its own number of tokens and goes back on its own. The
+draft is ``nearby_model`` (the main model's weights moved by noise): it agrees on most tokens,
+not all, so rows accept different numbers of drafts in one round. Every row must equal greedy
+decoding of that prompt alone (tokens, log-probabilities within 1e-4), in fewer steps than
+tokens. Hybrids of every recurrent kind and a dense control; rows of different lengths, rows
+joining while others decode, their own ``max_tokens``, stop tokens, a row with logits processors
+or its own sampler, the extracted cache (main then draft caches) inserted again, caches that
+cannot go back per row (rotating windows) decoding plainly. The server: ``ModelProvider`` keeps
+batching with a draft model and its generators take the draft (the HTTP answers are checked in
+test_server_openai.py).
+"""
+
+import sys
+
+import pytest
+
+from mlx_lm_patches.demos.scenarios import Decoded, greedy, prompt_tokens
+from mlx_lm_patches.demos.tiny_models import DENSE_MODEL_TYPE, available_model_types, build_tiny_model, nearby_model
+from mlx_lm_patches.patches.batch_speculative_decoding import ATTR, batched_speculative
+
+import mlx.core as mx  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not hasattr(sys.modules["mlx_lm.generate"], "StopSequences"),
+                                reason="this mlx-lm's BatchGenerator (before 0.32.0) does not host speculation")
+
+HYBRIDS = available_model_types()
+HYBRID = "qwen3_5" if "qwen3_5" in HYBRIDS else "qwen3_next"
+PROMPTS = [prompt_tokens(n, seed=n) for n in (5, 9, 13, 30)]
+
+
+def _models(model_type, scale=0.01):
+    return build_tiny_model(model_type, seed=1), nearby_model(model_type, seed=1, scale=scale)
+
+
+def _assert_rows_equal_greedy(model, prompts, got, max_tokens):
+    for i, (prompt, decoded) in enumerate(zip(prompts, got)):
+        wanted = max_tokens[i] if isinstance(max_tokens, list) else max_tokens
+        problem = greedy(model, prompt, max_tokens=wanted).compare(decoded)
+        assert problem is None, f"row {i} ({len(prompt)} tokens): {problem}"
+
+
+def _run(gen, uids, late=None, late_after=2):
+    """Drive ``gen`` until every row finished; ``late``: (prompts, max_tokens) inserted after
+    ``late_after`` steps. Returns ({uid: Decoded}, {uid: final prompt cache}, steps)."""
+    decoded = {uid: Decoded([], []) for uid in uids}
+    caches, steps = {}, 0
+    while len(caches) < len(decoded):
+        for r in gen.next_generated():
+            decoded[r.uid].tokens.append(int(r.token))
+            decoded[r.uid].logprobs.append(r.logprobs)
+            if r.finish_reason is not None:
+                caches[r.uid] = r.prompt_cache
+        steps += 1
+        if late and steps == late_after:
+            new = gen.insert(*late)
+            decoded.update({uid: Decoded([], []) for uid in new})
+    mx.eval([d.logprobs for d in decoded.values()])
+    return decoded, caches, steps
+
+
+@pytest.mark.family_sweep(HYBRIDS)
+@pytest.mark.parametrize("model_type", HYBRIDS + [DENSE_MODEL_TYPE])
+def test_rows_of_different_lengths_each_equal_greedy_alone(model_type):
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlx_lm_patches.mechanisms.batch_speculation import unhostable
+
+    model, draft = _models(model_type)
+    got, steps = batched_speculative(model, draft, PROMPTS, max_tokens=14, num_draft_tokens=3)
+    _assert_rows_equal_greedy(model, PROMPTS, got, 14)
+    if unhostable(make_prompt_cache(model)):  # rotating windows: decoded plainly, batched
+        assert steps == 14
+    else:
+        assert steps < 14, f"{steps} steps for 14 tokens: the draft was not used"
+
+
+@pytest.mark.parametrize("model_type", [HYBRID, DENSE_MODEL_TYPE])
+@pytest.mark.parametrize("scale", [0.0, 0.05])
+def test_drafts_always_or_rarely_accepted(model_type, scale):
+    """The draft is the main model itself (every draft accepted) or far from it (most rejected)."""
+    model, draft = _models(model_type, scale)
+    got, steps = batched_speculative(model, draft, PROMPTS, max_tokens=12, num_draft_tokens=2)
+    _assert_rows_equal_greedy(model, PROMPTS, got, 12)
+    if scale == 0.0:
+        assert steps <= 12 // 3 + 1
+
+
+@pytest.mark.parametrize("model_type", [HYBRID, DENSE_MODEL_TYPE])
+def test_rows_joining_leaving_and_stopping_on_their_own(model_type):
+    """Rows with their own ``max_tokens``, one stopping on a stop token mid-round, two more
+    joining while the first decode; afterwards the draft's caches hold no row."""
+    from mlx_lm.generate import BatchGenerator
+
+    model, draft = _models(model_type)
+    reference = [greedy(model, p, max_tokens=16) for p in PROMPTS]
+    stop = reference[1].tokens[6]  # row 1 ends on it (the token at step 7 or earlier)
+    gen = BatchGenerator(model, max_tokens=16, stop_tokens=[[stop]], draft_model=draft, num_draft_tokens=3)
+    first = gen.insert([list(p) for p in PROMPTS[:2]], [16, 9])
+    late = ([list(p) for p in PROMPTS[2:]], [5, 16])
+    decoded, _, _ = _run(gen, first, late=late)
+    uids = sorted(decoded)
+    for uid, prompt, wanted in zip(uids, PROMPTS, [16, 9, 5, 16]):
+        ref = greedy(model, prompt, max_tokens=wanted)
+        if stop in ref.tokens:
+            end = ref.tokens.index(stop) + 1
+            ref = Decoded(ref.tokens[:end], ref.logprobs[:end])
+        assert ref.compare(decoded[uid]) is None, (uid, ref.compare(decoded[uid]))
+    spec = vars(gen._generation_batch)[ATTR]
+    assert spec.pending == [] and spec.draft_cache == []
+    gen.close()
+
+
+def test_a_row_with_logits_processors_and_one_with_its_own_sampler():
+    """A repetition penalty on one row (its next token from processed logits, as
+    ``generate_step`` with the same processors), an argmax sampler of its own on another."""
+    from mlx_lm.generate import BatchGenerator
+    from mlx_lm.sample_utils import make_logits_processors
+
+    model, draft = _models(HYBRID)
+    penalty = make_logits_processors(repetition_penalty=1.5)
+    gen = BatchGenerator(model, max_tokens=12, draft_model=draft, num_draft_tokens=3)
+    uids = gen.insert([list(p) for p in PROMPTS[:3]], [12] * 3, logits_processors=[[], penalty, []],
+                      samplers=[None, None, lambda logprobs: mx.argmax(logprobs, axis=-1)])
+    decoded, _, _ = _run(gen, uids)
+    gen.close()
+    for uid, prompt, processors in zip(uids, PROMPTS, [None, penalty, None]):
+        ref = greedy(model, prompt, max_tokens=12, logits_processors=processors)
+        assert ref.compare(decoded[uid]) is None, ref.compare(decoded[uid])
+
+
+@pytest.mark.parametrize("model_type", [HYBRID, DENSE_MODEL_TYPE])
+def test_the_extracted_cache_is_main_then_draft_and_continues_exactly(model_type):
+    """A finished row's cache is its main caches then its draft's (what the server's
+    one-at-a-time path stores) and holds exactly the row's ``all_tokens``; inserted again for a
+    follow-up it gives greedy decoding of the whole conversation."""
+    from mlx_lm.generate import BatchGenerator
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model, draft = _models(model_type)
+    n_main, n_draft = len(make_prompt_cache(model)), len(make_prompt_cache(draft))
+    gen = BatchGenerator(model, max_tokens=10, draft_model=draft, num_draft_tokens=3)
+    (uid,) = gen.insert([list(PROMPTS[1])], [10])
+    history, cache = [], None
+    while cache is None:
+        for r in gen.next_generated():
+            history.append(int(r.token))
+            if r.finish_reason:
+                cache, held = r.prompt_cache, list(r.all_tokens)
+    assert len(cache) == n_main + n_draft
+    assert held == PROMPTS[1] + history  # as stock: the prompt and every emitted token
+    follow_up = prompt_tokens(6, seed=40)
+    conversation = PROMPTS[1] + history + follow_up
+    (uid,) = gen.insert([conversation[len(held):]], [8], caches=[cache], all_tokens=[held])
+    decoded, _, _ = _run(gen, [uid])
+    gen.close()
+    assert greedy(model, conversation, max_tokens=8).compare(decoded[uid]) is None
+
+
+def test_rotating_windows_decode_plainly_with_one_warning(caplog):
+    """``max_kv_size`` gives rotating attention caches, which cannot go back per row: the
+    generator decodes without drafting (one warning), every row still equal to greedy."""
+    import logging
+
+    from mlx_lm.generate import BatchGenerator
+
+    model, draft = _models("qwen3")  # no make_cache: max_kv_size gives it RotatingKVCache layers
+    with caplog.at_level(logging.WARNING, logger="mlx_lm_patches"):
+        gen = BatchGenerator(model, max_tokens=8, max_kv_size=64, draft_model=draft, num_draft_tokens=3)
+    assert [r.getMessage() for r in caplog.records if "without drafting" in r.getMessage()]
+    assert ATTR not in vars(gen._generation_batch)
+    decoded, _, steps = _run(gen, gen.insert([list(p) for p in PROMPTS[:2]], [8, 8]))
+    gen.close()
+    _assert_rows_equal_greedy(model, PROMPTS[:2], [decoded[u] for u in sorted(decoded)], 8)
+    assert steps >= 8
+
+
+def _provider(tmp_path, draft_path):
+    import argparse
+
+    from mlx_lm.server import ModelProvider
+
+    from mlx_lm_patches.demos.model_folder import write_model_folder
+    from mlx_lm_patches.demos.tiny_models import tiny_config
+
+    main = write_model_folder(tmp_path / "main", build_tiny_model(HYBRID, seed=1), tiny_config(HYBRID))
+    args = argparse.Namespace(model=str(main), adapter_path=None, draft_model=None, num_draft_tokens=2,
+                              trust_remote_code=False, chat_template=None, use_default_chat_template=False,
+                              pipeline=False)
+    provider = ModelProvider(args)
+    provider.load(str(main), None, draft_path)
+    return provider
+
+
+def test_the_server_keeps_batching_with_a_draft_model(tmp_path):
+    """``mlx_lm.server --draft-model PATH``: the model provider stays batchable and the server's
+    ``BatchGenerator(model, ...)`` drafts with that model and ``--num-draft-tokens``."""
+    from mlx_lm.generate import BatchGenerator
+
+    from mlx_lm_patches.demos.model_folder import write_model_folder
+    from mlx_lm_patches.demos.tiny_models import tiny_config
+
+    draft = write_model_folder(tmp_path / "draft", build_tiny_model(DENSE_MODEL_TYPE, seed=2),
+                               tiny_config(DENSE_MODEL_TYPE))
+    provider = _provider(tmp_path, str(draft))
+    assert provider.is_batchable
+    gen = BatchGenerator(provider.model, max_tokens=4)
+    spec = vars(gen._generation_batch)[ATTR]
+    assert spec.draft is provider.draft_model and spec.k == 2
+    gen.close()
