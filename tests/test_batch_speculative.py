@@ -19,6 +19,7 @@ import pytest
 
 from mlx_lm_patches.demos.scenarios import Decoded, greedy, prompt_tokens
 from mlx_lm_patches.demos.tiny_models import DENSE_MODEL_TYPE, available_model_types, build_tiny_model, nearby_model
+from mlx_lm_patches.mechanisms.adaptive import forced
 from mlx_lm_patches.patches.batch_speculative_decoding import ATTR, batched_speculative
 
 import mlx.core as mx  # noqa: E402
@@ -29,6 +30,9 @@ pytestmark = pytest.mark.skipif(not hasattr(sys.modules["mlx_lm.generate"], "Sto
 HYBRIDS = available_model_types()
 HYBRID = "qwen3_5" if "qwen3_5" in HYBRIDS else "qwen3_next"
 PROMPTS = [prompt_tokens(n, seed=n) for n in (5, 9, 13, 30)]
+# draft lengths per round: up and down, runs without drafts (the draft then catches up, in one
+# pass or, after rows joined, row by row) and back
+SCHEDULE = [3, 1, 0, 0, 2, 3, 0, 3, 3, 1, 0, 2]
 
 
 def _models(model_type, scale=0.01):
@@ -69,7 +73,8 @@ def test_rows_of_different_lengths_each_equal_greedy_alone(model_type):
     from mlx_lm_patches.mechanisms.batch_speculation import unhostable
 
     model, draft = _models(model_type)
-    got, steps = batched_speculative(model, draft, PROMPTS, max_tokens=14, num_draft_tokens=3)
+    with forced(SCHEDULE):
+        got, steps = batched_speculative(model, draft, PROMPTS, max_tokens=14, num_draft_tokens=3)
     _assert_rows_equal_greedy(model, PROMPTS, got, 14)
     if unhostable(make_prompt_cache(model)):  # rotating windows: decoded plainly, batched
         assert steps == 14
@@ -80,9 +85,11 @@ def test_rows_of_different_lengths_each_equal_greedy_alone(model_type):
 @pytest.mark.parametrize("model_type", [HYBRID, DENSE_MODEL_TYPE])
 @pytest.mark.parametrize("scale", [0.0, 0.05])
 def test_drafts_always_or_rarely_accepted(model_type, scale):
-    """The draft is the main model itself (every draft accepted) or far from it (most rejected)."""
+    """The draft is the main model itself (every draft accepted) or far from it (most rejected),
+    two tokens drafted every round."""
     model, draft = _models(model_type, scale)
-    got, steps = batched_speculative(model, draft, PROMPTS, max_tokens=12, num_draft_tokens=2)
+    with forced([2]):
+        got, steps = batched_speculative(model, draft, PROMPTS, max_tokens=12, num_draft_tokens=2)
     _assert_rows_equal_greedy(model, PROMPTS, got, 12)
     if scale == 0.0:
         assert steps <= 12 // 3 + 1
@@ -97,7 +104,8 @@ def test_rows_joining_leaving_and_stopping_on_their_own(model_type):
     model, draft = _models(model_type)
     reference = [greedy(model, p, max_tokens=16) for p in PROMPTS]
     stop = reference[1].tokens[6]  # row 1 ends on it (the token at step 7 or earlier)
-    gen = BatchGenerator(model, max_tokens=16, stop_tokens=[[stop]], draft_model=draft, num_draft_tokens=3)
+    with forced(SCHEDULE):
+        gen = BatchGenerator(model, max_tokens=16, stop_tokens=[[stop]], draft_model=draft, num_draft_tokens=3)
     first = gen.insert([list(p) for p in PROMPTS[:2]], [16, 9])
     late = ([list(p) for p in PROMPTS[2:]], [5, 16])
     decoded, _, _ = _run(gen, first, late=late)
@@ -121,7 +129,8 @@ def test_a_row_with_logits_processors_and_one_with_its_own_sampler():
 
     model, draft = _models(HYBRID)
     penalty = make_logits_processors(repetition_penalty=1.5)
-    gen = BatchGenerator(model, max_tokens=12, draft_model=draft, num_draft_tokens=3)
+    with forced(SCHEDULE):
+        gen = BatchGenerator(model, max_tokens=12, draft_model=draft, num_draft_tokens=3)
     uids = gen.insert([list(p) for p in PROMPTS[:3]], [12] * 3, logits_processors=[[], penalty, []],
                       samplers=[None, None, lambda logprobs: mx.argmax(logprobs, axis=-1)])
     decoded, _, _ = _run(gen, uids)
@@ -141,7 +150,8 @@ def test_the_extracted_cache_is_main_then_draft_and_continues_exactly(model_type
 
     model, draft = _models(model_type)
     n_main, n_draft = len(make_prompt_cache(model)), len(make_prompt_cache(draft))
-    gen = BatchGenerator(model, max_tokens=10, draft_model=draft, num_draft_tokens=3)
+    with forced(SCHEDULE):
+        gen = BatchGenerator(model, max_tokens=10, draft_model=draft, num_draft_tokens=3)
     (uid,) = gen.insert([list(PROMPTS[1])], [10])
     history, cache = [], None
     while cache is None:
@@ -208,5 +218,27 @@ def test_the_server_keeps_batching_with_a_draft_model(tmp_path):
     assert provider.is_batchable
     gen = BatchGenerator(provider.model, max_tokens=4)
     spec = vars(gen._generation_batch)[ATTR]
-    assert spec.draft is provider.draft_model and spec.k == 2
+    assert spec.draft is provider.draft_model and spec.most == 2
     gen.close()
+
+
+@pytest.mark.parametrize("model_type", [HYBRID, DENSE_MODEL_TYPE])
+def test_adaptive_drafting_stops_drafting_a_draft_never_accepted(model_type):
+    """Unforced (the default), a draft that is never accepted is soon left: the draft model is
+    called in few of the rounds, the answers equal greedy decoding."""
+    model, draft = build_tiny_model(model_type, seed=1), build_tiny_model(model_type, seed=9)
+    calls = [0]
+
+    class Counted:
+        def __call__(self, *args, **kwargs):
+            calls[0] += 1
+            return draft(*args, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(draft, name)
+
+    got, steps = batched_speculative(model, Counted(), PROMPTS, max_tokens=40, num_draft_tokens=3)
+    _assert_rows_equal_greedy(model, PROMPTS, got, 40)
+    prefill = len(PROMPTS)  # one prefill pass a row (prompts shorter than a prefill step)
+    assert calls[0] - prefill < 40, f"{calls[0] - prefill} draft calls in {steps} rounds"
+

@@ -104,19 +104,21 @@ class Controller:
     def acceptance(self):
         return self.accepted / (self.accepted + self.rejected)
 
-    def observe(self, k, kept, seconds=None, catch_up=0.0, first=False):
+    def observe(self, k, kept, seconds=None, catch_up=0.0, first=False, rows=None):
         """A round of ``k`` drafts kept ``kept`` of them and took ``seconds`` (None: not timed -
         the prompt's prefill was in it) besides ``catch_up`` seconds of the draft catching up on
         tokens decoded without it (a cost of probing, not of rounds of ``k``). ``first``: the
         round began a run of its ``k`` (its time holds the switch: a probe's cost, not a usual
-        round's)."""
+        round's). ``rows``: a batch's round, what each row kept (the acceptance counts every
+        row; ``kept`` is the most any row kept)."""
         self.rounds += 1
         probe, self.probing = self.probing, False
         self.probed = probe
         self.rejected_seen = self.rejected_seen or kept < k
-        for accepted in [1.0] * kept + ([0.0] if kept < k else []):
-            self.accepted = DECAY * self.accepted + accepted
-            self.rejected = DECAY * self.rejected + (1.0 - accepted)
+        for row_kept in (rows if rows is not None else [kept]) if k else ():
+            for accepted in [1.0] * row_kept + ([0.0] if row_kept < k else []):
+                self.accepted = DECAY * self.accepted + accepted
+                self.rejected = DECAY * self.rejected + (1.0 - accepted)
         self._time(k, kept, None if first else seconds)
         if k == 0:
             self.plain_run += 1

@@ -144,15 +144,26 @@ def _settled(model, caches, held: List[int], wanted: List[int]):
 
 class Speculation:
     """The speculative state of one ``GenerationBatch``: the draft model and its batch caches,
-    and each row's pending tokens."""
+    each row's pending tokens and the tokens its draft caches miss (decoded in rounds without
+    drafts), and the choice of the draft length of each round (``mechanisms/adaptive.py``, one
+    controller for the batch: its rounds' times and every row's acceptance), unless
+    ``MLX_LM_PATCHES_ADAPTIVE_DRAFTING=0``."""
 
     def __init__(self, draft, num_draft_tokens: int, prefill_step_size: int, main_has_recurrent: bool):
+        from mlx_lm_patches.engine import env
+        from mlx_lm_patches.mechanisms.adaptive import Controller, forced_schedule
+
         self.draft = draft
-        self.k = max(1, int(num_draft_tokens))
+        self.most = max(1, int(num_draft_tokens))
         self.prefill_step_size = prefill_step_size
         self.main_has_recurrent = main_has_recurrent
         self.draft_cache = []
         self.pending = []  # per row: [(token, logprobs, emitted)]
+        self.behind = []  # per row: tokens its draft caches miss (before the last known one)
+        schedule = forced_schedule()
+        adaptive = schedule is not None or env.setting(env.ADAPTIVE_DRAFTING)
+        self.controller = Controller(self.most, schedule, plain_start=True) if adaptive else None
+        self.last_k = None
 
     # -- rows joining and leaving -------------------------------------------------------------
 
@@ -175,9 +186,11 @@ class Speculation:
         firsts = first_tokens.tolist() if first_tokens is not None else []
         self.draft_cache = generate._extend_cache(self.draft_cache, generate._merge_caches(row_caches))
         self.pending.extend([(int(t), lp, False)] for t, lp in zip(firsts, first_logprobs))
+        self.behind.extend([] for _ in firsts)
 
     def keep_rows(self, keep: List[int]) -> None:
         self.pending = [self.pending[i] for i in keep]
+        self.behind = [self.behind[i] for i in keep]
         if not keep:
             self.draft_cache = []
         else:
@@ -195,21 +208,63 @@ class Speculation:
         known = batch.tokens[i] + [t for t, _, _ in self.pending[i]]
         wanted = known[:len(known) - discarded]
         main, held = _settled(batch.model, [c.extract(i) for c in batch.prompt_cache], batch.tokens[i], wanted)
-        draft, _ = _settled(self.draft, self.extract_draft(i), known[:-1], wanted)
+        in_draft = known[:len(known) - 1 - len(self.behind[i])]
+        draft, _ = _settled(self.draft, self.extract_draft(i), in_draft, wanted)
         return main + draft, held
 
     # -- a round ------------------------------------------------------------------------------
 
     def round(self, batch):
-        """One speculative round over ``batch`` (a ``GenerationBatch``): per row, the tokens it
-        emits ``[(token, logprobs)]``, in order. The batch's caches and ``tokens`` and this
-        object's state are moved forward."""
+        """One round over ``batch`` (a ``GenerationBatch``): per row, the tokens it emits
+        ``[(token, logprobs)]``, in order. The batch's caches and ``tokens`` and this object's
+        state are moved forward."""
+        import time
+
+        k = self.controller.choose() if self.controller is not None else self.most
+        k = max(0, min(k, self.most))
+        catch_up = self._catch_up() if k else 0.0
+        start = time.perf_counter()
+        emitted, kept = self._round(batch, k)
+        seconds = time.perf_counter() - start
+        if self.controller is not None:
+            self.controller.observe(k, max(kept, default=0), seconds, catch_up=catch_up,
+                                    first=k != self.last_k, rows=kept)
+        self.last_k = k
+        return emitted
+
+    def _catch_up(self) -> float:
+        """Feed the draft the tokens its rows missed: one pass when every row missed as many,
+        else one token a call for every row, each row kept at its own length."""
+        import time
+
         import mlx.core as mx
 
-        B, k, width = len(batch.uids), self.k, self.k + 1
+        lags = [len(b) for b in self.behind]
+        most = max(lags, default=0)
+        if not most:
+            return 0.0
+        start = time.perf_counter()
+        if min(lags) == most:
+            self.draft(mx.array(self.behind), cache=self.draft_cache)
+        else:
+            states = [_states(self.draft_cache)]
+            for j in range(most):
+                column = [b[j] if j < len(b) else b[-1] if b else 0 for b in self.behind]
+                self.draft(mx.array(column)[:, None], cache=self.draft_cache)
+                states.append(_states(self.draft_cache))
+            rewind_rows(self.draft_cache, most, lags, states)
+        mx.eval([c.state for c in self.draft_cache])
+        self.behind = [[] for _ in self.behind]
+        return time.perf_counter() - start
+
+    def _round(self, batch, k):
+        import mlx.core as mx
+
+        B = len(batch.uids)
+        counts = [len(p) for p in self.pending]
+        width = max([k + 1] + counts)
         samplers = [batch.fallback_sampler if s is None else s for s in (batch.samplers or [None] * B)]
         processors = [tuple(p or ()) for p in (batch.logits_processors or [()] * B)]
-
         shared = all(s is samplers[0] for s in samplers)
 
         def sample(logprobs):  # (B, n, V) -> (B, n): each row by its own sampler
@@ -218,35 +273,38 @@ class Speculation:
                 return samplers[0](logprobs.reshape(rows * n, -1)).reshape(rows, n)
             return mx.stack([s(logprobs[i]) for i, s in enumerate(samplers)])
 
-        # draft: k + 1 single-token calls, the recurrent states kept after each
-        last = mx.array([p[-1][0] for p in self.pending])[:, None]
-        draft_states = [_states(self.draft_cache)]
-        proposals, x = [], last
-        for j in range(width):
-            logits = self.draft(x, cache=self.draft_cache)[:, -1, :]
-            draft_states.append(_states(self.draft_cache))
-            if j < k:
-                x = sample((logits - mx.logsumexp(logits, axis=-1, keepdims=True))[:, None])
-                proposals.append(x)
-        drafts = mx.concatenate(proposals, axis=1)  # (B, k)
+        # draft: k + 1 single-token calls, the recurrent states kept after each (the last call
+        # only puts its last proposal into its caches); none in a round without drafts
+        draft_states, proposals = [_states(self.draft_cache)], []
+        if k:
+            x = mx.array([p[-1][0] for p in self.pending])[:, None]
+            for j in range(k + 1):
+                logits = self.draft(x, cache=self.draft_cache)[:, -1, :]
+                draft_states.append(_states(self.draft_cache))
+                if j < k:
+                    x = sample((logits - mx.logsumexp(logits, axis=-1, keepdims=True))[:, None])
+                    proposals.append(x)
 
-        # verify: each row's pending tokens, then its drafts
-        counts = [len(p) for p in self.pending]
-        slots = [0 if processors[i] else width - counts[i] for i in range(B)]
-        known = mx.array([[t for t, _, _ in p] + [0] * (width - len(p)) for p in self.pending])
-        position = mx.arange(width)[None, :] - mx.array(counts)[:, None]
-        from_drafts = mx.take_along_axis(drafts, mx.clip(position, 0, k - 1), axis=1)
-        inputs = mx.where(position >= 0, from_drafts, known)
+        # verify: each row's pending tokens, then as many of its drafts as fit (the rest of a
+        # row's slots: a filler that is never accepted)
+        slots = [0 if processors[i] else min(k, width - counts[i]) for i in range(B)]
+        inputs = mx.array([[t for t, _, _ in p] + [0] * (width - len(p)) for p in self.pending])
+        if k:
+            drafts = mx.concatenate(proposals, axis=1)  # (B, k)
+            position = mx.arange(width)[None, :] - mx.array(counts)[:, None]
+            from_drafts = mx.take_along_axis(drafts, mx.clip(position, 0, k - 1), axis=1)
+            inputs = mx.where((position >= 0) & (position < k), from_drafts, inputs)
         main_states = _states(batch.prompt_cache) if self.main_has_recurrent else None
         logits = batch.model(inputs, cache=batch.prompt_cache)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         picked = sample(logprobs)
-        mx.eval(picked, drafts, logprobs, _padding(batch.prompt_cache), _padding(self.draft_cache))
+        mx.eval(picked, inputs, logprobs, _padding(batch.prompt_cache), _padding(self.draft_cache))
 
-        picked_rows, draft_rows = picked.tolist(), drafts.tolist()
-        emitted, main_keep, draft_keep = [], [], []
+        picked_rows, input_rows = picked.tolist(), inputs.tolist()
+        emitted, kept, main_keep, draft_keep = [], [], [], []
         for i in range(B):
             n, at = counts[i], counts[i] - 1
+            last_known = self.pending[i][-1][0]
             row_logprobs = logprobs[i]
             if processors[i]:
                 context = mx.array(batch.tokens[i] + [t for t, _, _ in self.pending[i]])
@@ -258,13 +316,13 @@ class Speculation:
                 accepted, bonus_logprobs = [], processed[0]
             else:
                 a = 0
-                while a < slots[i] and draft_rows[i][a] == picked_rows[i][at + a]:
+                while a < slots[i] and input_rows[i][n + a] == picked_rows[i][at + a]:
                     a += 1
-                accepted = [(draft_rows[i][m], row_logprobs[at + m]) for m in range(a)]
+                accepted = [(input_rows[i][n + m], row_logprobs[at + m]) for m in range(a)]
                 bonus, bonus_logprobs = picked_rows[i][at + a], row_logprobs[at + a]
-            out = [(t, lp) for t, lp, done in self.pending[i] if not done]
-            out += accepted + [(bonus, bonus_logprobs)]
-            emitted.append(out)
+            emitted.append([(t, lp) for t, lp, done in self.pending[i] if not done]
+                           + accepted + [(bonus, bonus_logprobs)])
+            kept.append(len(accepted))
             fed = n + len(accepted)
             if not self.main_has_recurrent or fed == width:
                 batch.tokens[i].extend(t for t, _, _ in self.pending[i])
@@ -275,7 +333,11 @@ class Speculation:
                 main_keep.append(0)
                 self.pending[i] = ([(t, lp, True) for t, lp, _ in self.pending[i]]
                                    + [(t, lp, True) for t, lp in accepted] + [(bonus, bonus_logprobs, True)])
-            draft_keep.append(1 + len(accepted))
+            if k:
+                draft_keep.append(1 + len(accepted))
+            else:
+                self.behind[i].append(last_known)
         rewind_rows(batch.prompt_cache, width, main_keep, [main_states] if main_states else None)
-        rewind_rows(self.draft_cache, width, draft_keep, draft_states)
-        return emitted
+        if k:
+            rewind_rows(self.draft_cache, k + 1, draft_keep, draft_states)
+        return emitted, kept

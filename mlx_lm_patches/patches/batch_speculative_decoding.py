@@ -210,12 +210,16 @@ def probe():
     return "BatchGenerator takes no draft model (mlx_lm.server --draft-model serves one request at a time)"
 
 
+SCHEDULE = (3, 3, 0, 0, 2, 1, 3)  # the scenario's draft lengths: up, down, rounds without drafts and back
+
+
 def scenario():
     """Four prompts of different lengths through ``BatchGenerator`` with a draft that agrees on
     most tokens (rows accept different numbers of them), a hybrid and a dense model: every row
     equals greedy decoding alone, in fewer steps than tokens."""
     from mlx_lm_patches.demos.scenarios import greedy, prompt_tokens
     from mlx_lm_patches.demos.tiny_models import DENSE_MODEL_TYPE, available_model_types, build_tiny_model, nearby_model
+    from mlx_lm_patches.mechanisms.adaptive import forced
 
     if not hasattr(sys.modules[GENERATE], "StopSequences"):
         return Outcome.not_applicable("this mlx-lm's BatchGenerator (before 0.32.0) cannot host speculation: "
@@ -225,7 +229,8 @@ def scenario():
         model, draft = build_tiny_model(model_type, seed=1), nearby_model(model_type, seed=1, scale=0.01)
         prompts = [prompt_tokens(n, seed=n) for n in (5, 9, 13, 30)]
         try:
-            got, steps = batched_speculative(model, draft, prompts, max_tokens=16, num_draft_tokens=3)
+            with forced(SCHEDULE):
+                got, steps = batched_speculative(model, draft, prompts, max_tokens=16, num_draft_tokens=3)
         except Exception as exc:
             return Outcome.failure(f"{model_type}: BatchGenerator with a draft model", exc)
         for i, (prompt, decoded) in enumerate(zip(prompts, got)):
@@ -234,7 +239,8 @@ def scenario():
                 return Outcome.failure(f"{model_type}: row {i} ({len(prompt)} tokens): {problem}")
         if steps >= 16:
             return Outcome.failure(f"{model_type}: {steps} decoding steps for 16 tokens: the draft was not used")
-        details.append(f"{model_type}: 4 rows of 5-30 tokens, 16 tokens each in {steps} steps, equal to greedy")
+        details.append(f"{model_type}: 4 rows of 5-30 tokens, draft lengths {SCHEDULE}: 16 tokens each in "
+                       f"{steps} steps, equal to greedy")
     return Outcome(True, "concurrent rows decode speculatively, each equal to greedy decoding alone", details)
 
 
