@@ -103,7 +103,7 @@ def server(folders):
 @pytest.fixture(scope="module")
 def draft_server(folders):
     with serve(folders["main"], "--draft-model", folders["hybrid-draft"], "--num-draft-tokens", "3",
-               env=clean_env()) as running:
+               env=clean_env(MLX_LM_PATCHES_DEBUG="1")) as running:
         yield running
 
 
@@ -311,11 +311,40 @@ def test_dense_draft_selected_per_request(draft_server, folders, reference):
 
 
 def test_concurrent_requests_with_a_draft_model(draft_server, reference):
-    """Speculative requests are served one at a time; sent at once they all finish, exact."""
+    """Speculative requests sent at once all finish, exact: from 0.32.0 decoded together
+    (``batch-speculative-decoding``: the server's generator speculates with its draft model),
+    before one at a time."""
     jobs = [("chat", _messages(q, system=i % 2 == 0)) for i, q in enumerate(QUESTIONS[:4])]
     results = _concurrent(draft_server, jobs, workers=4)
     for (_, messages), got in zip(jobs, results):
         _assert_answer(*got, reference(messages), messages[-1]["content"])
+    batched = "BatchGenerator speculates with a draft model" in draft_server.log()
+    assert batched == _at_least("0.32.0"), draft_server.log_tail()
+
+
+def test_speculative_requests_arriving_while_others_decode(draft_server, reference):
+    """Requests of different lengths and ``max_tokens`` arriving one after another while the
+    earlier ones decode (streamed and not): every answer equals its cold reference."""
+    import time
+
+    jobs = [(i, _messages(q, system=i % 2 == 1)) for i, q in enumerate(QUESTIONS)]
+
+    def run(job):
+        i, messages = job
+        time.sleep(0.15 * i)
+        client = draft_server.client()
+        if i % 3 == 2:
+            return _stream(client, messages, max_tokens=6 + i, **_extra(batchable=True))
+        return _chat(client, messages, max_tokens=6 + i, **_extra(batchable=True))
+
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        results = list(pool.map(run, jobs))
+    for (i, messages), got in zip(jobs, results):
+        ref = reference(messages, max_tokens=6 + i)
+        if i % 3 == 2:
+            assert got[:2] == (ref.text, ref.finish_reason), messages[-1]["content"]
+        else:
+            _assert_answer(*got, ref, messages[-1]["content"])
 
 
 

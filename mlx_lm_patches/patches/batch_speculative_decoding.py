@@ -53,6 +53,8 @@ def _attach(generator, model, draft, num_draft_tokens) -> None:
         return
     spec = Speculation(draft, num_draft_tokens, generator.prefill_step_size, has_recurrent_state(main_caches))
     vars(generator._generation_batch)[ATTR] = spec
+    log.debug("mlx-lm-patches: BatchGenerator speculates with a draft model, up to %d draft tokens a round",
+              spec.most)
     vars(generator)[ATTR] = (len(main_caches), len(make_prompt_cache(draft)), draft)
 
 
