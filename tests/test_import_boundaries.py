@@ -1,6 +1,6 @@
 """Imports only run downward, read from the source (every module under ``mlx_lm_patches/``):
 a patch never imports another patch (shared code lives in ``mechanisms/``), and a mechanism
-never imports a patch or the demos.
+never imports a patch or the self-test kit (``selftest/``, what ``check`` runs).
 """
 
 import ast
@@ -13,14 +13,14 @@ import mlx_lm_patches
 PACKAGE = pathlib.Path(mlx_lm_patches.__file__).parent
 PATCHES = "mlx_lm_patches.patches"
 MECHANISMS = "mlx_lm_patches.mechanisms"
-DEMOS = "mlx_lm_patches.demos"
+SELFTEST = "mlx_lm_patches.selftest"
 
 # (importing module, imported module) pairs allowed for now, each with why.
 EXCEPTIONS = {
     # The mlx-vlm prefill-positions patches are built by a factory in vlm_positions, whose probe
-    # and scenario run the tiny mlx-vlm models of the demos: untangled by the demos split
+    # and scenario run the tiny mlx-vlm models of the self-test kit: untangled by the kit's split
     # (probe helpers beside the mechanisms, the self-test kit apart), issue 36.
-    ("mlx_lm_patches.mechanisms.vlm_positions", "mlx_lm_patches.demos.tiny_vlm_models"),
+    ("mlx_lm_patches.mechanisms.vlm_positions", "mlx_lm_patches.selftest.tiny_vlm_models"),
 }
 
 
@@ -60,7 +60,7 @@ def _violations():
         if _under(importer, PATCHES) and importer != PATCHES:
             forbidden = [PATCHES]
         elif _under(importer, MECHANISMS):
-            forbidden = [PATCHES, DEMOS]
+            forbidden = [PATCHES, SELFTEST]
         else:
             continue
         for imported in sorted(set(_imports(path))):

@@ -3,7 +3,7 @@ CI matrix has rows with mlx-vlm 0.4.0, 0.5.0, 0.6.4, 0.6.14, 0.6.17 and 0.7.10, 
 file is skipped).
 
 Tiny random-weight mlx-vlm models built from config dicts
-(``mlx_lm_patches/demos/tiny_vlm_models.py``), prompts of 5, 9 and 13 tokens. Reference: each
+(``mlx_lm_patches/selftest/tiny_vlm_models.py``), prompts of 5, 9 and 13 tokens. Reference: each
 prompt alone through mlx-vlm's ``generate_step``. Batched: mlx-vlm's own ``BatchGenerator`` (fed
 as ``batch_generate`` feeds it, rows keeping their lengths) and mlx-lm's ``BatchGenerator``
 driving the language model. With the patches: same greedy tokens, log-probabilities within 1e-4.
@@ -20,7 +20,7 @@ pytest.importorskip("mlx_vlm")
 import mlx_lm_patches  # noqa: E402
 import conftest  # noqa: E402
 from conftest import affected, run_python, xfail_if_affected  # noqa: E402
-from mlx_lm_patches.demos import tiny_vlm_models as vlm  # noqa: E402
+from mlx_lm_patches.selftest import tiny_vlm_models as vlm  # noqa: E402
 
 ROWS = {row.id: row for row in mlx_lm_patches.apply()}
 PATHS = vlm.paths()
@@ -208,7 +208,7 @@ def test_prefix_cache_snapshots_inside_padding_do_not_crash_a_batch(prefill_step
     import mlx.core as mx
     from mlx_vlm.utils import StoppingCriteria
 
-    from mlx_lm_patches.demos.scenarios import prompt_tokens
+    from mlx_lm_patches.selftest.scenarios import prompt_tokens
 
     _skip_unless_driven("qwen3_5")
     if importlib.util.find_spec("mlx_vlm.apc") is None or not vlm.takes_rows():
@@ -255,7 +255,7 @@ def test_an_engine_prefilling_padded_chunks_itself_equals_each_row_alone(model_t
 
     import mlx.core as mx
 
-    from mlx_lm_patches.demos.scenarios import prompt_tokens
+    from mlx_lm_patches.selftest.scenarios import prompt_tokens
 
     _skip_unless_driven(model_type)
     _prefill_patched_module(model_type)
@@ -287,7 +287,7 @@ def test_rows_of_one_or_two_tokens_beside_a_long_one_in_chunks(lengths):
     """Rows whose real tokens start in the last columns (a one-token prompt: only the column the
     generator holds back for its final pass) beside a long one, in chunks of 3: each equals the
     prompt alone (0.6.0 - 0.6.4: padding-only rows skipped chunk after chunk)."""
-    from mlx_lm_patches.demos.scenarios import prompt_tokens
+    from mlx_lm_patches.selftest.scenarios import prompt_tokens
 
     _skip_unless_driven("qwen3_5")
     _prefill_patched_module("qwen3_5")

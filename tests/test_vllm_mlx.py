@@ -25,9 +25,9 @@ pytest.importorskip("vllm_mlx")
 
 import mlx_lm_patches  # noqa: E402
 from conftest import clean_env, run_python, xfail_if_affected  # noqa: E402
-from mlx_lm_patches.demos import tiny_vllm_mlx  # noqa: E402
-from mlx_lm_patches.demos.scenarios import prompt_tokens  # noqa: E402
-from mlx_lm_patches.demos.tiny_models import HYBRID_MODEL_TYPES  # noqa: E402
+from mlx_lm_patches.selftest import tiny_vllm_mlx  # noqa: E402
+from mlx_lm_patches.selftest.scenarios import prompt_tokens  # noqa: E402
+from mlx_lm_patches.selftest.tiny_models import HYBRID_MODEL_TYPES  # noqa: E402
 
 PROMPT_LENGTHS = (3, 17, 40, 9, 25, 5)
 MAX_TOKENS = 10
@@ -53,8 +53,8 @@ class Folder:
     def __init__(self, root, model_type):
         from mlx_lm import load
 
-        from mlx_lm_patches.demos.model_folder import write_model_folder
-        from mlx_lm_patches.demos.tiny_models import build_tiny_model, tiny_config
+        from mlx_lm_patches.selftest.model_folder import write_model_folder
+        from mlx_lm_patches.selftest.tiny_models import build_tiny_model, tiny_config
 
         self.model_type = model_type
         # the path must not contain "qwen3": vllm-mlx then makes <|im_end|> the eos token
@@ -182,7 +182,7 @@ def test_enable_mtp_answers_equal_greedy(family, tmp_path_factory):
     from mlx_lm import load
     from vllm_mlx.scheduler import SchedulerConfig
 
-    from mlx_lm_patches.demos.mtp_checkpoints import write_mtp_checkpoint
+    from mlx_lm_patches.selftest.mtp_checkpoints import write_mtp_checkpoint
     from support.chat_reference import token_reference
 
     written = write_mtp_checkpoint(tmp_path_factory.mktemp("mtp"), family, placement="model-mtp",
@@ -222,7 +222,7 @@ def test_stock_vision_engine_enable_mtp_is_wrong_where_affected(pid, tmp_path):
     vllm-mlx is affected."""
     ran = run_python(f"""
         import json
-        from mlx_lm_patches.demos import tiny_vllm_mlx
+        from mlx_lm_patches.selftest import tiny_vllm_mlx
         print(json.dumps(tiny_vllm_mlx.enable_mtp_problem({str(tmp_path)!r})[0]))
     """, env={"MLX_LM_PATCHES_DISABLE": pid}, timeout=600)
     assert ran.returncode == 0, ran.stderr[-3000:]
@@ -235,7 +235,7 @@ VISION_PATCH = "vllm-mlx-qwen3-5-attention-kept"
 
 
 def tiny_vlm_model_types():
-    from mlx_lm_patches.demos import tiny_vlm_models
+    from mlx_lm_patches.selftest import tiny_vlm_models
 
     return tiny_vlm_models.MODEL_TYPES
 
@@ -246,7 +246,7 @@ def test_vision_engine_text_requests_equal_each_alone(model_type):
     tiny mlx-vlm model: text requests of 3, 17 and 9 tokens sent at once give each request's
     greedy tokens and log-probabilities (within 1e-4) of the prompt alone through mlx-vlm's
     ``generate_step``."""
-    from mlx_lm_patches.demos import tiny_vlm_models
+    from mlx_lm_patches.selftest import tiny_vlm_models
 
     if not tiny_vllm_mlx.available(model_type):
         pytest.skip(f"mlx-vlm's {model_type} or vllm-mlx's vision engine is not installed")
@@ -260,7 +260,7 @@ def test_vision_engine_image_requests_equal_each_alone(model_type):
     sends them; prompts of different lengths) and a text request sent at once: each request's
     greedy tokens and log-probabilities (within 1e-4) equal its prompt and image alone through
     mlx-vlm's ``generate_step``."""
-    from mlx_lm_patches.demos import tiny_vlm_models
+    from mlx_lm_patches.selftest import tiny_vlm_models
 
     if not tiny_vllm_mlx.available(model_type):
         pytest.skip(f"mlx-vlm's {model_type} or vllm-mlx's vision engine is not installed")
@@ -276,7 +276,7 @@ def test_stock_vision_engine_is_wrong_where_affected(pid):
     says the installed vllm-mlx is affected."""
     ran = run_python("""
         import json
-        from mlx_lm_patches.demos import tiny_vlm_models, tiny_vllm_mlx
+        from mlx_lm_patches.selftest import tiny_vlm_models, tiny_vllm_mlx
         print(json.dumps(tiny_vllm_mlx.batched_problem(tiny_vlm_models.build("qwen3_5"), "qwen3_5")))
     """, env={"MLX_LM_PATCHES_DISABLE": pid}, timeout=600)
     assert ran.returncode == 0, ran.stderr[-3000:]
@@ -291,7 +291,7 @@ def test_stock_vision_engine_image_requests_are_wrong_where_affected(pid):
     vllm-mlx is affected."""
     ran = run_python("""
         import json
-        from mlx_lm_patches.demos import tiny_vlm_models, tiny_vllm_mlx
+        from mlx_lm_patches.selftest import tiny_vlm_models, tiny_vllm_mlx
         model = tiny_vlm_models.build("qwen3_5", images=True)
         print(json.dumps(tiny_vllm_mlx.image_requests_problem(model, "qwen3_5")))
     """, env={"MLX_LM_PATCHES_DISABLE": pid}, timeout=600)
@@ -344,7 +344,7 @@ def _image_chats_problem(model_type, root, env):
     from mlx_vlm.prompt_utils import apply_chat_template
     from vllm_mlx.api.utils import clean_output_text
 
-    from mlx_lm_patches.demos import tiny_vlm_models
+    from mlx_lm_patches.selftest import tiny_vlm_models
 
     generation = importlib.import_module("mlx_vlm.generate")
     folder, model = tiny_vlm_models.write_model_folder(os.path.join(root, "model"), model_type)
@@ -394,7 +394,7 @@ def test_applied_after_vllm_mlx_replaced_the_attention_is_a_clear_error():
     if ROWS[VISION_PATCH].state != "applied":
         pytest.skip(f"{VISION_PATCH} is {ROWS[VISION_PATCH].state} here")
     ran = run_python(f"""
-        from mlx_lm_patches.demos import tiny_vlm_models, tiny_vllm_mlx
+        from mlx_lm_patches.selftest import tiny_vlm_models, tiny_vllm_mlx
         from vllm_mlx.mllm_batch_generator import MLLMBatchGenerator
         MLLMBatchGenerator(tiny_vlm_models.build("qwen3_5"), processor=None, enable_vision_cache=False)
         import mlx_lm_patches
@@ -417,7 +417,7 @@ def test_vision_engine_built_before_mlx_lm_is_imported_is_exact():
         import json, sys
         from vllm_mlx.mllm_batch_generator import MLLMBatchGenerator  # noqa: F401
         early = "mlx_lm" in sys.modules
-        from mlx_lm_patches.demos import tiny_vlm_models, tiny_vllm_mlx
+        from mlx_lm_patches.selftest import tiny_vlm_models, tiny_vllm_mlx
         problem = tiny_vllm_mlx.batched_problem(tiny_vlm_models.build("qwen3_5"), "qwen3_5")
         print(json.dumps([early, problem]))
     """, timeout=600)

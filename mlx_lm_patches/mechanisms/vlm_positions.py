@@ -246,7 +246,7 @@ def prefill_positions_patch(module_name: str, model_type: str):
         """Evidence that a two-layer language model prefilling two rows (one left-padded) on
         mlx-vlm's empty batch caches without positions, or prefilled with handed positions and
         then decoding, places a row's token elsewhere than the row alone."""
-        from mlx_lm_patches.demos.tiny_vlm_models import prefill_positions_problem
+        from mlx_lm_patches.selftest.tiny_vlm_models import prefill_positions_problem
 
         return prefill_positions_problem(sys.modules[module_name], model_type)
 
@@ -256,7 +256,7 @@ def prefill_positions_patch(module_name: str, model_type: str):
         positions, equal each prompt alone."""
         import importlib
 
-        from mlx_lm_patches.demos.tiny_vlm_models import available, prefill_positions_scenario
+        from mlx_lm_patches.selftest.tiny_vlm_models import available, prefill_positions_scenario
 
         module = importlib.import_module(module_name) if available(model_type) else None
         return prefill_positions_scenario(module, model_type)

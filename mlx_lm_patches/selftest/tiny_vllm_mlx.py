@@ -6,8 +6,8 @@ cache and decoded together. Text requests are given as token ids (``MLLMBatchReq
 vllm-mlx then skips its processor), greedy, so no processor or tokenizer is needed.
 
 The reference is the model's single-sequence path, mlx-vlm's ``generate_step`` of each prompt
-alone (:func:`mlx_lm_patches.demos.tiny_vlm_models.single`): the same greedy tokens and
-log-probabilities within :data:`mlx_lm_patches.demos.scenarios.LOGPROB_TOLERANCE`.
+alone (:func:`mlx_lm_patches.selftest.tiny_vlm_models.single`): the same greedy tokens and
+log-probabilities within :data:`mlx_lm_patches.selftest.scenarios.LOGPROB_TOLERANCE`.
 
 Importing this module imports neither vllm-mlx nor mlx-vlm.
 """
@@ -17,7 +17,7 @@ import importlib.util
 from contextlib import contextmanager
 from typing import List, Optional
 
-from mlx_lm_patches.demos import tiny_vlm_models as vlm
+from mlx_lm_patches.selftest import tiny_vlm_models as vlm
 
 MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")  # the MoE model's attention is the same class
 LANGUAGE = "mlx_vlm.models.qwen3_5.language"
@@ -52,7 +52,7 @@ def attention_as_found():
 
 
 def prompts() -> List[List[int]]:
-    from mlx_lm_patches.demos.scenarios import prompt_tokens
+    from mlx_lm_patches.selftest.scenarios import prompt_tokens
 
     return [prompt_tokens(n, seed=n) for n in PROMPT_LENGTHS]
 
@@ -67,8 +67,8 @@ def _generator(model, processor, size: int, max_tokens: int):
 
 def _decoded(generator, requests, max_tokens: int):
     """``requests`` inserted at once into ``generator`` and decoded to the end, greedy; one
-    :class:`~mlx_lm_patches.demos.scenarios.Decoded` per request, in order."""
-    from mlx_lm_patches.demos.scenarios import Decoded
+    :class:`~mlx_lm_patches.selftest.scenarios.Decoded` per request, in order."""
+    from mlx_lm_patches.selftest.scenarios import Decoded
 
     try:
         generator.insert(requests)
@@ -96,7 +96,7 @@ def _decoded(generator, requests, max_tokens: int):
 
 def mllm_batched(model, rows, max_tokens: int = MAX_TOKENS):
     """``rows`` (token ids) sent at once to vllm-mlx's ``MLLMBatchGenerator``, greedy; one
-    :class:`~mlx_lm_patches.demos.scenarios.Decoded` per row, in order."""
+    :class:`~mlx_lm_patches.selftest.scenarios.Decoded` per row, in order."""
     import mlx.core as mx
     from vllm_mlx.mllm_batch_generator import MLLMBatchRequest
 
@@ -117,8 +117,8 @@ def image_data_url(image) -> str:
 
 
 def image_requests() -> List[tuple]:
-    """:data:`~mlx_lm_patches.demos.tiny_vlm_models.IMAGE_PROMPTS` as ``(text, images)``: the
-    first three with one of :func:`~mlx_lm_patches.demos.tiny_vlm_models.test_images` each,
+    """:data:`~mlx_lm_patches.selftest.tiny_vlm_models.IMAGE_PROMPTS` as ``(text, images)``: the
+    first three with one of :func:`~mlx_lm_patches.selftest.tiny_vlm_models.test_images` each,
     the fourth text only."""
     images = vlm.test_images()
     return [(text, images[i:i + 1] or None) for i, text in enumerate(vlm.IMAGE_PROMPTS)]
@@ -131,7 +131,7 @@ def alone_with_images(model, processor, text, images, max_tokens: int = MAX_TOKE
     from mlx_vlm.prompt_utils import apply_chat_template
     from mlx_vlm.utils import prepare_inputs
 
-    from mlx_lm_patches.demos.scenarios import Decoded
+    from mlx_lm_patches.selftest.scenarios import Decoded
 
     formatted = apply_chat_template(processor, model.config, text, num_images=len(images or ()))
     inputs = prepare_inputs(processor, images=images, prompts=formatted)
@@ -146,7 +146,7 @@ def alone_with_images(model, processor, text, images, max_tokens: int = MAX_TOKE
 def image_requests_problem(model, model_type: str, max_tokens: int = MAX_TOKENS) -> Optional[str]:
     """``None`` if :func:`image_requests` sent at once to vllm-mlx's ``MLLMBatchGenerator`` (chat
     prompts, images as base64 data URLs, mlx-vlm's own processor over a locally built
-    tokenizer: :func:`~mlx_lm_patches.demos.tiny_vlm_models.vision_processor`) are each answered
+    tokenizer: :func:`~mlx_lm_patches.selftest.tiny_vlm_models.vision_processor`) are each answered
     as alone (:func:`alone_with_images`); else what differs. ``model`` is built with
     ``images=True``."""
     from mlx_vlm.prompt_utils import apply_chat_template
@@ -267,7 +267,7 @@ def write_mtp_sidecar(folder, model_type: str = "qwen3_5", seed: int = 7):
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from mlx_lm_patches.demos.mtp_checkpoints import _random_like
+    from mlx_lm_patches.selftest.mtp_checkpoints import _random_like
     from mlx_lm_patches.mechanisms.mtp.heads import build
 
     folder = pathlib.Path(folder)

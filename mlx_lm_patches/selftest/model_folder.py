@@ -1,6 +1,6 @@
 """Write a complete, loadable mlx-lm model folder from an in-memory model.
 
-Tests and demos load models through mlx-lm's public entry points
+Tests and scenarios load models through mlx-lm's public entry points
 (``mlx_lm.load``, ``mlx_lm.utils.load_model``, ``mlx_lm.server``, the
 ``mlx_lm generate`` CLI), which all want a folder on disk.  This module writes
 such a folder from a tiny random-weight model without touching the network:

@@ -131,7 +131,7 @@ def nemotron_mtp_pattern():
     """``"*E"`` (Nemotron 3 Super's MTP blocks) where this mlx-lm has MoE blocks, else ``"*-"``."""
     from mlx_lm.models.nemotron_h import ModelArgs, NemotronHBlock
 
-    from mlx_lm_patches.demos.tiny_models import tiny_config
+    from mlx_lm_patches.selftest.tiny_models import tiny_config
 
     args = ModelArgs.from_dict(dict(tiny_config("nemotron_h"), **NEMOTRON_MOE))
     return "*E" if "mixer" in NemotronHBlock(args, "E") else "*-"
@@ -242,7 +242,7 @@ def hf_layout_unreadable(family):
     ``model.layers.{l}`` instead of ``model.layers.{l}.self_attn``)."""
     from mlx.utils import tree_flatten
 
-    from mlx_lm_patches.demos.tiny_models import build_tiny_model
+    from mlx_lm_patches.selftest.tiny_models import build_tiny_model
 
     if family not in DEEPSEEK_LAYOUT:
         return None
@@ -287,8 +287,8 @@ def write_mtp_checkpoint(root, family, *, form="mlx", quantized=False, placement
     from mlx.utils import tree_flatten
 
     from mlx_lm_patches.mechanisms.mtp.heads import build
-    from mlx_lm_patches.demos.model_folder import write_model_folder
-    from mlx_lm_patches.demos.tiny_models import build_tiny_model, tiny_config
+    from mlx_lm_patches.selftest.model_folder import write_model_folder
+    from mlx_lm_patches.selftest.tiny_models import build_tiny_model, tiny_config
 
     dtype = getattr(mx, dtype)
     config = dict(tiny_config(family), **(config_overrides or {}))

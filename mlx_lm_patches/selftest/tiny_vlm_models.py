@@ -3,14 +3,14 @@
 Built in memory from a config dict through mlx-vlm's own classes (``get_model_and_args``,
 ``ModelConfig.from_dict``, ``update_module_configs``, ``Model``) - no download, no weights file -
 with every floating-point parameter replaced by a deterministic pseudo-random value
-(:func:`mlx_lm_patches.demos.tiny_models._randomize_parameters`). Text model: hidden size 64,
+(:func:`mlx_lm_patches.selftest.tiny_models._randomize_parameters`). Text model: hidden size 64,
 vocabulary 256; Qwen3.5 (and Qwen3.5-MoE, 4 experts) has 4 layers (gated-delta, attention,
 gated-delta, attention), Qwen3-VL (and Qwen3-VL-MoE, 4 experts) 2 attention layers. The vision tower is one small block;
 text-only generation never runs it.
 
 The checks compare batched text generation with the model's single-sequence path, mlx-vlm's
 ``generate_step`` of each prompt alone: the same greedy tokens and log-probabilities within
-:data:`mlx_lm_patches.demos.scenarios.LOGPROB_TOLERANCE`. Two batched paths:
+:data:`mlx_lm_patches.selftest.scenarios.LOGPROB_TOLERANCE`. Two batched paths:
 
 * :func:`vlm_batched` - mlx-vlm's own ``BatchGenerator`` fed as ``batch_generate`` feeds it
   (left-padded token rows and their embeddings from ``get_input_embeddings``), except that the
@@ -88,7 +88,7 @@ def build(model_type: str, seed: int = 1, images: bool = False):
     import mlx.core as mx
     from mlx_vlm.utils import get_model_and_args, update_module_configs
 
-    from mlx_lm_patches.demos.tiny_models import _randomize_parameters
+    from mlx_lm_patches.selftest.tiny_models import _randomize_parameters
 
     cfg = config(model_type, images)
     arch, _ = get_model_and_args(cfg)
@@ -102,7 +102,7 @@ def build(model_type: str, seed: int = 1, images: bool = False):
 
 
 def prompts() -> List[List[int]]:
-    from mlx_lm_patches.demos.scenarios import prompt_tokens
+    from mlx_lm_patches.selftest.scenarios import prompt_tokens
 
     return [prompt_tokens(n, seed=n) for n in PROMPT_LENGTHS]
 
@@ -131,7 +131,7 @@ def single(model, prompt, max_tokens: int = MAX_TOKENS):
     import mlx.core as mx
     from mlx_vlm.generate import generate_step
 
-    from mlx_lm_patches.demos.scenarios import Decoded
+    from mlx_lm_patches.selftest.scenarios import Decoded
 
     tokens, logprobs = [], []
     with _no_tqdm_monitor_left():
@@ -152,7 +152,7 @@ def vlm_batched(model, rows, max_tokens: int = MAX_TOKENS):
     from mlx_vlm.generate import BatchGenerator
     from mlx_vlm.utils import StoppingCriteria
 
-    from mlx_lm_patches.demos.scenarios import Decoded
+    from mlx_lm_patches.selftest.scenarios import Decoded
 
     order = sorted(range(len(rows)), key=lambda i: len(rows[i]))  # the generator's own order
     width = max(len(r) for r in rows)
@@ -204,7 +204,7 @@ def image_rows_problem(model, model_type: str, max_tokens: int = MAX_TOKENS) -> 
     import mlx.core as mx
     from mlx_vlm.generate import generate_step
 
-    from mlx_lm_patches.demos.scenarios import Decoded
+    from mlx_lm_patches.selftest.scenarios import Decoded
 
     rows = image_rows(model)
     language_model = model.language_model
@@ -238,7 +238,7 @@ def apc_mixed_prefill_problem(model_type: str = "qwen3_5", max_tokens: int = MAX
     from mlx_vlm import apc
     from mlx_vlm.utils import StoppingCriteria
 
-    from mlx_lm_patches.demos.scenarios import Decoded, prompt_tokens
+    from mlx_lm_patches.selftest.scenarios import Decoded, prompt_tokens
 
     model = build(model_type)
     language_model = model.language_model
@@ -355,7 +355,7 @@ def _drive_rows(model, prompts, max_tokens, prompt_kwargs, attention_mask=None, 
     import mlx.core as mx
     from mlx_vlm.utils import StoppingCriteria
 
-    from mlx_lm_patches.demos.scenarios import Decoded
+    from mlx_lm_patches.selftest.scenarios import Decoded
 
     processor = types.SimpleNamespace(stopping_criteria=StoppingCriteria([], None))
     gen = _generation_module().BatchGenerator(
@@ -471,7 +471,7 @@ class LanguageModelAdapter:
 
 def mlx_lm_batched(model, rows, max_tokens: int = MAX_TOKENS):
     """``rows`` decoded together by mlx-lm's ``BatchGenerator`` driving the language model."""
-    from mlx_lm_patches.demos.scenarios import batched_greedy
+    from mlx_lm_patches.selftest.scenarios import batched_greedy
 
     model.language_model._position_ids = model.language_model._rope_deltas = None  # text only
     return batched_greedy(LanguageModelAdapter(model.language_model), rows, max_tokens=max_tokens)
@@ -590,14 +590,14 @@ TEXT_PROMPTS = ("Hi.", "Tell me a story about a cat and a dog, briefly please.",
 @functools.lru_cache(maxsize=1)
 def processor():
     """mlx-vlm's processor of a tokenizer built locally (``load_processor`` on a folder holding
-    only :func:`mlx_lm_patches.demos.model_folder.build_tokenizer_files`, vocabulary 256: a
+    only :func:`mlx_lm_patches.selftest.model_folder.build_tokenizer_files`, vocabulary 256: a
     tokenizer with mlx-vlm's detokenizer and stopping criteria)."""
     import pathlib
     import tempfile
 
     from mlx_vlm.utils import load_processor
 
-    from mlx_lm_patches.demos.model_folder import build_tokenizer_files
+    from mlx_lm_patches.selftest.model_folder import build_tokenizer_files
 
     with tempfile.TemporaryDirectory() as folder:
         build_tokenizer_files(folder, 256)
@@ -632,7 +632,7 @@ def write_vision_processor_files(folder, model_type: str, padding_side: Optional
     import json
     import pathlib
 
-    from mlx_lm_patches.demos.model_folder import build_tokenizer_files
+    from mlx_lm_patches.selftest.model_folder import build_tokenizer_files
 
     folder = pathlib.Path(folder)
     build_tokenizer_files(folder, 256, VISION_SPECIALS, VISION_CHAT_TEMPLATE)
