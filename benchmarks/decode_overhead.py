@@ -64,7 +64,7 @@ def main(argv=None):
     from mlx_lm.generate import generate_step
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlx_lm_patches.selftest.scenarios import prompt_tokens
+    from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
 
     mlx_lm_patches.apply()
     model_type, model = _model(args.layers, args.hidden)

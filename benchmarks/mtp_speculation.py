@@ -56,7 +56,8 @@ def compare(model, share, args):
     import mlx.core as mx
     from mlx_lm.generate import speculative_generate_step
 
-    from mlx_lm_patches.selftest.scenarios import greedy, prompt_tokens, speculative_greedy
+    from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
+    from mlx_lm_patches.selftest.scenarios import greedy, speculative_greedy
 
     prompt = prompt_tokens(32, seed=5)
     ref = greedy(model, prompt, max_tokens=args.tokens)
@@ -84,7 +85,7 @@ def cost_split(model, args):
 
     from mlx_lm_patches.mechanisms.journal import Journal
     from mlx_lm_patches.mechanisms.mtp.decoding import depths_of
-    from mlx_lm_patches.selftest.scenarios import prompt_tokens
+    from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
 
     prompt = prompt_tokens(256, seed=7)
     draft = model.make_draft_model()

@@ -155,7 +155,7 @@ class Costs:
     def __init__(self, model, context, repeats):
         import mlx.core as mx
 
-        from mlx_lm_patches.selftest.scenarios import prompt_tokens
+        from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
 
         self.model, self.repeats = model, repeats
         self.prompt = mx.array(prompt_tokens(context, vocab=256, seed=7))[None]
@@ -303,7 +303,7 @@ def speculate(model, draft, prompt, tokens, k):
     import mlx.core as mx
     from mlx_lm.generate import speculative_generate_step
 
-    from mlx_lm_patches.selftest.scenarios import Decoded
+    from mlx_lm_patches.mechanisms.probing.decoded import Decoded
 
     out, logprobs, flags = [], [], []
     for token, lp, from_draft in speculative_generate_step(mx.array(prompt), model, draft, num_draft_tokens=k,
@@ -387,7 +387,8 @@ def run_family(family, args):
     from mlx_lm import load
 
     from mlx_lm_patches.selftest.mtp_checkpoints import write_mtp_checkpoint
-    from mlx_lm_patches.selftest.scenarios import greedy, prompt_tokens
+    from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
+    from mlx_lm_patches.selftest.scenarios import greedy
     from mlx_lm_patches.selftest.tiny_models import build_tiny_model
     from support.mtp_drafts import hinted_draft
 

@@ -55,7 +55,8 @@ def _timed(fn, repeats):
 
 
 def speculation(model_types, args):
-    from mlx_lm_patches.selftest.scenarios import greedy, prompt_tokens, speculative_greedy
+    from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
+    from mlx_lm_patches.selftest.scenarios import greedy, speculative_greedy
     from mlx_lm_patches.selftest.tiny_models import build_tiny_model
 
     prompt = prompt_tokens(args.prompt_len, seed=1)
@@ -100,7 +101,7 @@ def rollback_cost(model_type, args):
     from mlx_lm.models.cache import ArraysCache, make_prompt_cache, trim_prompt_cache
 
     from mlx_lm_patches.mechanisms.journal import Journal
-    from mlx_lm_patches.selftest.scenarios import prompt_tokens
+    from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
     from mlx_lm_patches.selftest.tiny_models import build_tiny_model
 
     model = build_tiny_model(model_type, seed=0)

@@ -18,7 +18,8 @@ of each round, and the output never moves.
 import pytest
 
 import mlx_lm_patches
-from mlx_lm_patches.selftest.scenarios import continue_after_speculation, greedy, prompt_tokens
+from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
+from mlx_lm_patches.selftest.scenarios import continue_after_speculation, greedy
 from mlx_lm_patches.selftest.tiny_models import DENSE_MODEL_TYPE, available_model_types, build_tiny_model
 from mlx_lm_patches.mechanisms.adaptive import Controller, forced
 
@@ -39,7 +40,7 @@ TOKENS = 16
 def _speculate(model, draft, prompt, schedule, num_draft=3, max_tokens=TOKENS, **kwargs):
     from mlx_lm.generate import speculative_generate_step
 
-    from mlx_lm_patches.selftest.scenarios import Decoded
+    from mlx_lm_patches.mechanisms.probing.decoded import Decoded
 
     tokens, logprobs, flags = [], [], []
     with forced(schedule):

@@ -5,7 +5,8 @@ per-prompt caches. Through mlx-lm's own BatchGenerator and batch_generate, patch
 
 import pytest
 
-from mlx_lm_patches.selftest.scenarios import batched_greedy, greedy, prompt_tokens, split_prefilled
+from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
+from mlx_lm_patches.selftest.scenarios import batched_greedy, greedy, split_prefilled
 from mlx_lm_patches.selftest.tiny_models import DENSE_MODEL_TYPE, available_model_types, build_tiny_model
 from support.references import tiny_greedy
 

@@ -19,7 +19,7 @@ lives in ``mlx_lm_patches`` (tests/support/package_calls.py).
 import pytest
 
 import mlx_lm_patches
-from mlx_lm_patches.selftest.scenarios import prompt_tokens
+from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
 from mlx_lm_patches.selftest.tiny_models import DENSE_MODEL_TYPE, build_tiny_model, tiny_config
 from support.counting import CountingModel
 from support.package_calls import count_calls

@@ -20,6 +20,7 @@ pytest.importorskip("mlx_vlm")
 import mlx_lm_patches  # noqa: E402
 import conftest  # noqa: E402
 from conftest import affected, run_python, xfail_if_affected  # noqa: E402
+from mlx_lm_patches.mechanisms.probing import tiny_vlm, vlm_problems  # noqa: E402
 from mlx_lm_patches.selftest import tiny_vlm_models as vlm  # noqa: E402
 
 ROWS = {row.id: row for row in mlx_lm_patches.apply()}
@@ -53,7 +54,7 @@ def _installed_mlx_vlm():
 def _skip_unless_driven(model_type):
     """Skip where the installed mlx-vlm lacks ``model_type`` or its batching API is not one these
     drivers use."""
-    if not vlm.available(model_type):
+    if not tiny_vlm.available(model_type):
         pytest.skip(f"this mlx-vlm has no {model_type}")
     why = vlm.unsupported_api(model_type)
     if why:
@@ -63,7 +64,7 @@ def _skip_unless_driven(model_type):
 @pytest.fixture(scope="module", params=vlm.MODEL_TYPES)
 def model(request):
     _skip_unless_driven(request.param)
-    return request.param, vlm.build(request.param)
+    return request.param, tiny_vlm.build(request.param)
 
 
 @pytest.mark.parametrize("path", list(PATHS))
@@ -80,7 +81,7 @@ def test_batch_generate_answers_each_prompt_as_alone(model_type):
     _skip_unless_driven(model_type)
     if not vlm.takes_rows():
         pytest.skip("mlx-vlm < 0.5: batch_generate feeds one padded batch (the mlx-vlm path covers it)")
-    assert vlm.batch_generate_texts_problem(vlm.build(model_type), model_type) is None
+    assert vlm.batch_generate_texts_problem(tiny_vlm.build(model_type), model_type) is None
 
 
 @pytest.mark.parametrize("model_type", [pytest.param(m, marks=xfail_if_affected(DELTAS[HANDED]) if HANDED else ())
@@ -93,7 +94,7 @@ def test_stock_batch_generate_is_wrong_where_affected(model_type):
         pytest.skip("mlx-vlm < 0.5: batch_generate feeds one padded batch (the mlx-vlm path covers it)")
     mlx_lm_patches.revert()
     try:
-        problem = vlm.batch_generate_texts_problem(vlm.build(model_type), model_type)
+        problem = vlm.batch_generate_texts_problem(tiny_vlm.build(model_type), model_type)
     finally:
         mlx_lm_patches.apply()
     assert problem is None
@@ -132,7 +133,7 @@ def test_unpatched_batching_fails_where_affected(model_type, path, reverted):
     _skip_unless_driven(model_type)
     if path not in PATHS:
         pytest.skip(f"this mlx-vlm has no {path} path")
-    built = vlm.build(model_type)
+    built = tiny_vlm.build(model_type)
     assert vlm.batched_problem(built, model_type, PATHS[path]) is None
 
 
@@ -151,14 +152,14 @@ def test_language_model_prefills_each_row_at_its_own_positions(model_type):
     """A two-layer language model: two rows (one left-padded) prefilled together on mlx-vlm's
     empty batch caches without positions, and a row prefilled with handed ``position_ids`` and
     ``rope_deltas``, decode their next token as the row alone (logits within 1e-4)."""
-    assert vlm.prefill_positions_problem(_prefill_patched_module(model_type), model_type) is None
+    assert vlm_problems.prefill_positions_problem(_prefill_patched_module(model_type), model_type) is None
 
 
 @pytest.mark.parametrize("model_type,reverted", [
     pytest.param(m, [PREFILL[m]], id=m, marks=xfail_if_affected(PREFILL[m])) for m in vlm.MODEL_TYPES],
     indirect=["reverted"])
 def test_stock_language_model_prefills_rows_elsewhere_where_affected(model_type, reverted):
-    assert vlm.prefill_positions_problem(_prefill_patched_module(model_type), model_type) is None
+    assert vlm_problems.prefill_positions_problem(_prefill_patched_module(model_type), model_type) is None
 
 
 @pytest.mark.parametrize("model_type,reverted", [(m, [PREFILL[m]]) for m in vlm.MODEL_TYPES], indirect=["reverted"])
@@ -169,7 +170,7 @@ def test_stock_rows_inserted_one_by_one_are_wrong_where_measured(model_type, rev
     _prefill_patched_module(model_type)
     if _installed_mlx_vlm() in STOCK_ROWS_WRONG[model_type]:
         request.applymarker(pytest.mark.xfail(strict=True, reason=f"{PREFILL[model_type]} reverted"))
-    assert vlm.batched_problem(vlm.build(model_type), model_type, vlm.vlm_rows_batched) is None
+    assert vlm.batched_problem(tiny_vlm.build(model_type), model_type, vlm.vlm_rows_batched) is None
 
 
 @pytest.mark.parametrize("model_type", vlm.MODEL_TYPES)
@@ -180,7 +181,7 @@ def test_rows_prefilled_in_chunks_equal_each_prompt_alone(model_type):
     ``mlx-vlm-qwen3-5-padding-only-rows-skipped``)."""
     _prefill_patched_module(model_type)
     run = lambda model, rows: vlm.vlm_rows_batched(model, rows, prefill_step_size=3)  # noqa: E731
-    assert vlm.batched_problem(vlm.build(model_type), model_type, run) is None
+    assert vlm.batched_problem(tiny_vlm.build(model_type), model_type, run) is None
 
 
 WIDENED = "mlx-vlm-qwen3-5-padding-only-rows-skipped"
@@ -193,7 +194,7 @@ def test_stock_padding_only_chunks_crash_where_affected(model_type, reverted):
     padding for a row (strict xfail there)."""
     _prefill_patched_module(model_type)
     run = lambda model, rows: vlm.vlm_rows_batched(model, rows, prefill_step_size=3)  # noqa: E731
-    assert vlm.batched_problem(vlm.build(model_type), model_type, run) is None
+    assert vlm.batched_problem(tiny_vlm.build(model_type), model_type, run) is None
 
 
 @pytest.mark.parametrize("prefill_step_size", [None, 16], ids=["unchunked", "chunks-of-16"])
@@ -208,16 +209,16 @@ def test_prefix_cache_snapshots_inside_padding_do_not_crash_a_batch(prefill_step
     import mlx.core as mx
     from mlx_vlm.utils import StoppingCriteria
 
-    from mlx_lm_patches.selftest.scenarios import prompt_tokens
+    from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
 
     _skip_unless_driven("qwen3_5")
     if importlib.util.find_spec("mlx_vlm.apc") is None or not vlm.takes_rows():
         pytest.skip("this mlx-vlm has no prefix cache for its BatchGenerator")
     from mlx_vlm import apc
 
-    model = vlm.build("qwen3_5")
+    model = tiny_vlm.build("qwen3_5")
     language_model = model.language_model
-    generator = vlm._generation_module().BatchGenerator(
+    generator = tiny_vlm.generation_module().BatchGenerator(
         language_model, types.SimpleNamespace(stopping_criteria=StoppingCriteria([], None)), max_tokens=4,
         prefill_batch_size=2, completion_batch_size=2, apc_manager=apc.APCManager(), prefill_step_size=prefill_step_size)
 
@@ -225,7 +226,7 @@ def test_prefix_cache_snapshots_inside_padding_do_not_crash_a_batch(prefill_step
         kwargs = []
         for row in rows:
             language_model._position_ids = language_model._rope_deltas = None
-            kwargs.append(vlm._embeddings(model, mx.array([row])))
+            kwargs.append(tiny_vlm.embeddings(model, mx.array([row])))
         uids = generator.insert(rows, 4, prompt_kwargs=kwargs)
         out = {uid: [] for uid in uids}
         while generator.has_work:
@@ -242,7 +243,7 @@ def test_prefix_cache_snapshots_inside_padding_do_not_crash_a_batch(prefill_step
             generator.close()
     for row, tokens in zip(first + second, got):
         language_model._position_ids = language_model._rope_deltas = None
-        assert tokens == vlm.single(model, row, 4).tokens, len(row)
+        assert tokens == tiny_vlm.single(model, row, 4).tokens, len(row)
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_5", "qwen3_5_moe"])
@@ -255,12 +256,12 @@ def test_an_engine_prefilling_padded_chunks_itself_equals_each_row_alone(model_t
 
     import mlx.core as mx
 
-    from mlx_lm_patches.selftest.scenarios import prompt_tokens
+    from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
 
     _skip_unless_driven(model_type)
     _prefill_patched_module(model_type)
     caches = importlib.import_module("mlx_vlm.models.cache")
-    lm = vlm.build(model_type).language_model
+    lm = tiny_vlm.build(model_type).language_model
     rows, last = [prompt_tokens(2, seed=2), prompt_tokens(9, seed=9)], [7, 4]
     want = []
     for row, token in zip(rows, last):
@@ -287,15 +288,15 @@ def test_rows_of_one_or_two_tokens_beside_a_long_one_in_chunks(lengths):
     """Rows whose real tokens start in the last columns (a one-token prompt: only the column the
     generator holds back for its final pass) beside a long one, in chunks of 3: each equals the
     prompt alone (0.6.0 - 0.6.4: padding-only rows skipped chunk after chunk)."""
-    from mlx_lm_patches.selftest.scenarios import prompt_tokens
+    from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
 
     _skip_unless_driven("qwen3_5")
     _prefill_patched_module("qwen3_5")
-    model = vlm.build("qwen3_5")
+    model = tiny_vlm.build("qwen3_5")
     rows = [prompt_tokens(n, seed=n) for n in lengths]
     got = vlm.vlm_rows_batched(model, rows, prefill_step_size=3)
     for row, decoded in zip(rows, got):
-        reference = vlm.single(model, row)
+        reference = tiny_vlm.single(model, row)
         reference = type(reference)(reference.tokens, [lp.reshape(-1)[t] for lp, t in zip(reference.logprobs, reference.tokens)])
         assert reference.compare(decoded) is None, (len(row), reference.compare(decoded))
 
@@ -322,7 +323,7 @@ def test_image_rows_inserted_one_by_one_are_exact_or_refused(model_type):
     from mlx_lm_patches.mechanisms.vlm_positions import BatchedVisionPositions
 
     _prefill_patched_module(model_type)
-    model = vlm.build(model_type, images=True)
+    model = tiny_vlm.build(model_type, images=True)
     handed = _hands_positions(model)
     try:
         problem = vlm.image_rows_problem(model, model_type)
@@ -341,7 +342,7 @@ def test_stock_image_rows_are_wrong_where_measured(model_type, reverted, request
     _prefill_patched_module(model_type)
     if Version(_installed_mlx_vlm()) < Version("0.6.5"):
         request.applymarker(pytest.mark.xfail(strict=True, reason=f"{PREFILL[model_type]} reverted"))
-    assert vlm.image_rows_problem(vlm.build(model_type, images=True), model_type) is None
+    assert vlm.image_rows_problem(tiny_vlm.build(model_type, images=True), model_type) is None
 
 
 IMAGES_PATCH = "mlx-vlm-right-padded-rows-left-aligned"
@@ -360,7 +361,7 @@ def test_batch_generate_with_images_answers_each_prompt_as_alone_or_refuses(mode
     _skip_unless_driven(model_type)
     if not vlm.takes_rows():
         pytest.skip("mlx-vlm < 0.5: batch_generate feeds one padded batch (the mlx-vlm path covers it)")
-    model = vlm.build(model_type, images=True)
+    model = tiny_vlm.build(model_type, images=True)
     handed = _hands_positions(model)
     try:
         problem = vlm.batch_generate_images_problem(model, model_type, padding_side)
@@ -381,7 +382,7 @@ def test_stock_batch_generate_with_right_padded_images_is_wrong_where_affected(m
     _skip_unless_driven(model_type)
     if not vlm.takes_rows():
         pytest.skip("mlx-vlm < 0.5: batch_generate feeds one padded batch")
-    model = vlm.build(model_type, images=True)
+    model = tiny_vlm.build(model_type, images=True)
     if not _hands_positions(model):
         pytest.skip("this mlx-vlm hands image rows no positions: batches of them are refused")
     assert vlm.batch_generate_images_problem(model, model_type) is None
@@ -401,7 +402,7 @@ def test_batched_prefill_of_image_prompts_without_positions_is_refused():
     if ROWS[PREFILL["qwen3_vl"]].state != "applied":
         pytest.skip(f"{PREFILL['qwen3_vl']} is {ROWS[PREFILL['qwen3_vl']].state} here")
     caches = importlib.import_module("mlx_vlm.models.cache")
-    lm = vlm.build("qwen3_vl").language_model
+    lm = tiny_vlm.build("qwen3_vl").language_model
     assert module.LanguageModel is type(lm)
     tokens = mx.array([[0, 5, 6], [7, lm.config.image_token_id, 9]])
     with pytest.raises(BatchedVisionPositions, match="one at a time"):
@@ -414,7 +415,7 @@ APC = ("mlx-vlm-apc-hybrid-batches-cold", "mlx-vlm-apc-hybrid-hits-refused")
 
 
 def _apc_problem():
-    """:func:`vlm.apc_mixed_prefill_problem` on Qwen3.5 (an error it raises, as text); skips where
+    """:func:`vlm_problems.apc_mixed_prefill_problem` on Qwen3.5 (an error it raises, as text); skips where
     mlx-vlm has no prefix cache for its BatchGenerator."""
     import importlib.util
 
@@ -422,7 +423,7 @@ def _apc_problem():
     if not vlm.takes_rows() or importlib.util.find_spec("mlx_vlm.apc") is None:
         pytest.skip("this mlx-vlm has no prefix cache for its BatchGenerator")
     try:
-        return vlm.apc_mixed_prefill_problem("qwen3_5")
+        return vlm_problems.apc_mixed_prefill_problem("qwen3_5")
     except (ValueError, TypeError) as exc:
         return f"raises {type(exc).__name__}: {exc}"
 
@@ -459,7 +460,7 @@ def test_image_positions_at_different_row_offsets_are_refused():
 
     if ROWS[POSITIONS["qwen3_vl"]].state != "applied":
         pytest.skip(f"{POSITIONS['qwen3_vl']} is {ROWS[POSITIONS['qwen3_vl']].state} here")
-    lm = vlm.build("qwen3_vl").language_model
+    lm = tiny_vlm.build("qwen3_vl").language_model
 
     def call(left_padding):
         lm._rope_deltas, lm._position_ids = mx.array([[3], [3]]), None  # as after an image prefill

@@ -10,7 +10,7 @@ import importlib.util
 
 import pytest
 
-from mlx_lm_patches.selftest.scenarios import LOGPROB_TOLERANCE, prompt_tokens
+from mlx_lm_patches.mechanisms.probing.decoded import LOGPROB_TOLERANCE, prompt_tokens
 from mlx_lm_patches.selftest.mtp_checkpoints import MTP_MODEL_TYPES, write_mtp_checkpoint
 
 

@@ -9,7 +9,8 @@ import importlib.util
 
 import pytest
 
-from mlx_lm_patches.selftest.scenarios import greedy, prompt_tokens, speculative_greedy
+from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
+from mlx_lm_patches.selftest.scenarios import greedy, speculative_greedy
 from mlx_lm_patches.selftest.mtp_checkpoints import check_loaded, write_mtp_checkpoint
 from test_mtp_load import FORMS
 

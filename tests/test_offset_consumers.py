@@ -46,6 +46,7 @@ import pytest
 import mlx_lm_patches
 from mlx_lm_patches.selftest.scenarios import batching_situations
 from conftest import xfail_if_affected
+from mlx_lm_patches.mechanisms.probing.random_weights import randomize_parameters
 from mlx_lm_patches.selftest import tiny_models
 from mlx_lm_patches.selftest import tiny_rope_models
 
@@ -371,7 +372,7 @@ def _build(model_type, config, seed=1):
     model_cls, args_cls = tiny_models._model_classes(config, model_type)
     mx.random.seed(seed)
     model = model_cls(args_cls.from_dict(config))
-    tiny_models._randomize_parameters(model, model_type, seed, mx.float32)
+    randomize_parameters(model, model_type, seed, mx.float32)
     mx.eval(model.parameters())
     model.eval()
     return model

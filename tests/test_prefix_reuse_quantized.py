@@ -77,7 +77,8 @@ def _in_process(store_tokens=64, tail=16):
     from mlx_lm.generate import generate_step
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlx_lm_patches.selftest.scenarios import lru_prompt_cache_class, prompt_tokens
+    from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
+    from mlx_lm_patches.selftest.scenarios import lru_prompt_cache_class
 
     model = build_tiny_model(MODEL, seed=1, overrides=SIZES)
 

@@ -15,7 +15,8 @@ import json
 
 import pytest
 
-from mlx_lm_patches.selftest.scenarios import greedy, prompt_tokens, speculative_greedy
+from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
+from mlx_lm_patches.selftest.scenarios import greedy, speculative_greedy
 from mlx_lm_patches.selftest.tiny_models import available_model_types, build_tiny_model
 from mlx_lm_patches.patches.prompt_cache_file_draft import TOKENS_KEY
 

@@ -9,7 +9,8 @@ recurrent state on trim (mlx-lm PR #1254) is wrong, and a cache never claims a t
 import pytest
 
 import mlx_lm_patches
-from mlx_lm_patches.selftest.scenarios import greedy, prompt_tokens, speculative_greedy
+from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
+from mlx_lm_patches.selftest.scenarios import greedy, speculative_greedy
 from mlx_lm_patches.selftest.tiny_models import DENSE_MODEL_TYPE, available_model_types, build_tiny_model
 from support.counting import CountingModel
 from support.references import tiny_greedy

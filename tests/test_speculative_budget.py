@@ -17,7 +17,8 @@ the full ``num_draft_tokens`` run with it off (``_fixed_rounds``); one runs as u
 
 import pytest
 
-from mlx_lm_patches.selftest.scenarios import greedy, prompt_tokens, speculative_greedy
+from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
+from mlx_lm_patches.selftest.scenarios import greedy, speculative_greedy
 from mlx_lm_patches.selftest.tiny_models import DENSE_MODEL_TYPE, build_tiny_model
 
 
@@ -61,7 +62,7 @@ def test_dense_main_hybrid_draft_beyond_the_default_budget(monkeypatch):
     import mlx.core as mx
     from mlx_lm.generate import speculative_generate_step
 
-    from mlx_lm_patches.selftest.scenarios import Decoded
+    from mlx_lm_patches.mechanisms.probing.decoded import Decoded
 
     _fixed_rounds(monkeypatch)
     model = build_tiny_model(DENSE_MODEL_TYPE, seed=1)

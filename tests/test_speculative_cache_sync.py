@@ -16,7 +16,8 @@ import pytest
 
 import mlx_lm_patches
 from conftest import run_python, xfail_if_affected
-from mlx_lm_patches.selftest.scenarios import continue_after_speculation, prompt_tokens
+from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
+from mlx_lm_patches.selftest.scenarios import continue_after_speculation
 from mlx_lm_patches.selftest.tiny_models import DENSE_MODEL_TYPE, available_model_types, build_tiny_model
 
 

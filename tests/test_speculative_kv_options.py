@@ -15,7 +15,8 @@ import pytest
 
 import mlx_lm_patches
 from conftest import xfail_if_affected
-from mlx_lm_patches.selftest.scenarios import greedy, prompt_tokens, speculative_greedy
+from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
+from mlx_lm_patches.selftest.scenarios import greedy, speculative_greedy
 from mlx_lm_patches.selftest.tiny_models import build_tiny_model
 from support.kv_window import hybrids_with_plain_attention, specified_caches
 

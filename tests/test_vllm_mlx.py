@@ -26,7 +26,7 @@ pytest.importorskip("vllm_mlx")
 import mlx_lm_patches  # noqa: E402
 from conftest import clean_env, run_python, xfail_if_affected  # noqa: E402
 from mlx_lm_patches.selftest import tiny_vllm_mlx  # noqa: E402
-from mlx_lm_patches.selftest.scenarios import prompt_tokens  # noqa: E402
+from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens  # noqa: E402
 from mlx_lm_patches.selftest.tiny_models import HYBRID_MODEL_TYPES  # noqa: E402
 
 PROMPT_LENGTHS = (3, 17, 40, 9, 25, 5)
@@ -246,11 +246,11 @@ def test_vision_engine_text_requests_equal_each_alone(model_type):
     tiny mlx-vlm model: text requests of 3, 17 and 9 tokens sent at once give each request's
     greedy tokens and log-probabilities (within 1e-4) of the prompt alone through mlx-vlm's
     ``generate_step``."""
-    from mlx_lm_patches.selftest import tiny_vlm_models
+    from mlx_lm_patches.mechanisms.probing import tiny_vlm
 
     if not tiny_vllm_mlx.available(model_type):
         pytest.skip(f"mlx-vlm's {model_type} or vllm-mlx's vision engine is not installed")
-    assert tiny_vllm_mlx.batched_problem(tiny_vlm_models.build(model_type), model_type) is None
+    assert tiny_vllm_mlx.batched_problem(tiny_vlm.build(model_type), model_type) is None
 
 
 @pytest.mark.parametrize("model_type", tiny_vlm_model_types())
@@ -260,11 +260,11 @@ def test_vision_engine_image_requests_equal_each_alone(model_type):
     sends them; prompts of different lengths) and a text request sent at once: each request's
     greedy tokens and log-probabilities (within 1e-4) equal its prompt and image alone through
     mlx-vlm's ``generate_step``."""
-    from mlx_lm_patches.selftest import tiny_vlm_models
+    from mlx_lm_patches.mechanisms.probing import tiny_vlm
 
     if not tiny_vllm_mlx.available(model_type):
         pytest.skip(f"mlx-vlm's {model_type} or vllm-mlx's vision engine is not installed")
-    model = tiny_vlm_models.build(model_type, images=True)
+    model = tiny_vlm.build(model_type, images=True)
     assert tiny_vllm_mlx.image_requests_problem(model, model_type) is None
 
 
@@ -276,8 +276,9 @@ def test_stock_vision_engine_is_wrong_where_affected(pid):
     says the installed vllm-mlx is affected."""
     ran = run_python("""
         import json
-        from mlx_lm_patches.selftest import tiny_vlm_models, tiny_vllm_mlx
-        print(json.dumps(tiny_vllm_mlx.batched_problem(tiny_vlm_models.build("qwen3_5"), "qwen3_5")))
+        from mlx_lm_patches.mechanisms.probing import tiny_vlm
+        from mlx_lm_patches.selftest import tiny_vllm_mlx
+        print(json.dumps(tiny_vllm_mlx.batched_problem(tiny_vlm.build("qwen3_5"), "qwen3_5")))
     """, env={"MLX_LM_PATCHES_DISABLE": pid}, timeout=600)
     assert ran.returncode == 0, ran.stderr[-3000:]
     assert json.loads(ran.stdout.strip().splitlines()[-1]) is None
@@ -291,8 +292,9 @@ def test_stock_vision_engine_image_requests_are_wrong_where_affected(pid):
     vllm-mlx is affected."""
     ran = run_python("""
         import json
-        from mlx_lm_patches.selftest import tiny_vlm_models, tiny_vllm_mlx
-        model = tiny_vlm_models.build("qwen3_5", images=True)
+        from mlx_lm_patches.mechanisms.probing import tiny_vlm
+        from mlx_lm_patches.selftest import tiny_vllm_mlx
+        model = tiny_vlm.build("qwen3_5", images=True)
         print(json.dumps(tiny_vllm_mlx.image_requests_problem(model, "qwen3_5")))
     """, env={"MLX_LM_PATCHES_DISABLE": pid}, timeout=600)
     assert ran.returncode == 0, ran.stderr[-3000:]
@@ -344,10 +346,11 @@ def _image_chats_problem(model_type, root, env):
     from mlx_vlm.prompt_utils import apply_chat_template
     from vllm_mlx.api.utils import clean_output_text
 
+    from mlx_lm_patches.mechanisms.probing import tiny_vlm
     from mlx_lm_patches.selftest import tiny_vlm_models
 
     generation = importlib.import_module("mlx_vlm.generate")
-    folder, model = tiny_vlm_models.write_model_folder(os.path.join(root, "model"), model_type)
+    folder, model = tiny_vlm.write_model_folder(os.path.join(root, "model"), model_type)
     processor = tiny_vlm_models.vision_processor(model_type)
     want = []
     for text, images in tiny_vllm_mlx.image_requests():
@@ -394,9 +397,10 @@ def test_applied_after_vllm_mlx_replaced_the_attention_is_a_clear_error():
     if ROWS[VISION_PATCH].state != "applied":
         pytest.skip(f"{VISION_PATCH} is {ROWS[VISION_PATCH].state} here")
     ran = run_python(f"""
-        from mlx_lm_patches.selftest import tiny_vlm_models, tiny_vllm_mlx
+        from mlx_lm_patches.mechanisms.probing import tiny_vlm
+        from mlx_lm_patches.selftest import tiny_vllm_mlx
         from vllm_mlx.mllm_batch_generator import MLLMBatchGenerator
-        MLLMBatchGenerator(tiny_vlm_models.build("qwen3_5"), processor=None, enable_vision_cache=False)
+        MLLMBatchGenerator(tiny_vlm.build("qwen3_5"), processor=None, enable_vision_cache=False)
         import mlx_lm_patches
         try:
             mlx_lm_patches.apply(only=[{VISION_PATCH!r}])
@@ -417,8 +421,9 @@ def test_vision_engine_built_before_mlx_lm_is_imported_is_exact():
         import json, sys
         from vllm_mlx.mllm_batch_generator import MLLMBatchGenerator  # noqa: F401
         early = "mlx_lm" in sys.modules
-        from mlx_lm_patches.selftest import tiny_vlm_models, tiny_vllm_mlx
-        problem = tiny_vllm_mlx.batched_problem(tiny_vlm_models.build("qwen3_5"), "qwen3_5")
+        from mlx_lm_patches.mechanisms.probing import tiny_vlm
+        from mlx_lm_patches.selftest import tiny_vllm_mlx
+        problem = tiny_vllm_mlx.batched_problem(tiny_vlm.build("qwen3_5"), "qwen3_5")
         print(json.dumps([early, problem]))
     """, timeout=600)
     assert ran.returncode == 0, ran.stderr[-3000:]

@@ -58,7 +58,8 @@ def apply(p):
 def scenario():
     """Batched decoding of hybrid models through BatchGenerator until every sequence finishes,
     each finished sequence's prompt cache then continuing exactly on its own."""
-    from mlx_lm_patches.selftest.scenarios import batched_greedy, greedy, prompt_tokens
+    from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
+    from mlx_lm_patches.selftest.scenarios import batched_greedy, greedy
     from mlx_lm_patches.selftest.tiny_models import available_model_types, build_tiny_model
 
     details = []

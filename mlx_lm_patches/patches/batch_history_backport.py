@@ -130,7 +130,8 @@ def scenario():
     """Prompts continuing from pre-filled prompt caches, batched: equal to single decoding."""
     from mlx_lm.models.cache import ArraysCache
 
-    from mlx_lm_patches.selftest.scenarios import batched_greedy, greedy, prompt_tokens, split_prefilled
+    from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
+    from mlx_lm_patches.selftest.scenarios import batched_greedy, greedy, split_prefilled
     from mlx_lm_patches.selftest.tiny_models import available_model_types, build_tiny_model
 
     if hasattr(ArraysCache, "merge"):

@@ -60,7 +60,8 @@ def apply(p):
 
 def scenario():
     """bailing_moe_linear, two prompts of equal length batched: equal to single decoding."""
-    from mlx_lm_patches.selftest.scenarios import batched_greedy, greedy, prompt_tokens
+    from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
+    from mlx_lm_patches.selftest.scenarios import batched_greedy, greedy
     from mlx_lm_patches.selftest.tiny_models import available_model_types, build_tiny_model
 
     if "bailing_moe_linear" not in available_model_types():

@@ -174,7 +174,8 @@ def scenario():
     the unbounded tokens and log-probabilities."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlx_lm_patches.selftest.scenarios import greedy, prompt_tokens
+    from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
+    from mlx_lm_patches.selftest.scenarios import greedy
     from mlx_lm_patches.selftest.tiny_models import available_model_types, build_tiny_model
 
     window, details = 24, []

@@ -39,7 +39,7 @@ def apply(p):
 def probe():
     """Evidence: a tiny Qwen3.5 whose requests sent together beside a cache hit are answered
     differently from each alone (or raise)."""
-    from mlx_lm_patches.selftest.tiny_vlm_models import apc_mixed_prefill_evidence
+    from mlx_lm_patches.mechanisms.probing.vlm_problems import apc_mixed_prefill_evidence
 
     return apc_mixed_prefill_evidence("qwen3_5")
 

@@ -31,7 +31,7 @@ def probe():
     """Evidence: a tiny Qwen3.5 whose requests beside cache hits (sent together, or alone on a
     snapshot stored from a batch) are answered differently from each without the cache (or
     raise)."""
-    from mlx_lm_patches.selftest.tiny_vlm_models import apc_mixed_prefill_evidence
+    from mlx_lm_patches.mechanisms.probing.vlm_problems import apc_mixed_prefill_evidence
 
     return apc_mixed_prefill_evidence("qwen3_5")
 

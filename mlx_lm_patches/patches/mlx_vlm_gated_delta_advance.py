@@ -43,7 +43,7 @@ def apply(p):
 
 
 def probe():
-    from mlx_lm_patches.selftest.tiny_vlm_models import gated_delta_advance_problem
+    from mlx_lm_patches.mechanisms.probing.vlm_problems import gated_delta_advance_problem
 
     return gated_delta_advance_problem(sys.modules[MODULE])
 

@@ -68,7 +68,7 @@ def probe():
     """Evidence that ``BatchGenerator.insert`` on a generator told ``existing_left_padding``
     keeps a padded row's ``rope_deltas`` of the padded width (two rows, one left-padded by 1,
     positions as ``get_rope_index`` gives them under the mask)."""
-    from mlx_lm_patches.selftest.tiny_vlm_models import left_padding_deltas_problem
+    from mlx_lm_patches.mechanisms.probing.vlm_problems import left_padding_deltas_problem
 
     return left_padding_deltas_problem(sys.modules[MODULE])
 

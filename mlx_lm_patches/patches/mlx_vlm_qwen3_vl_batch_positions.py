@@ -41,7 +41,7 @@ def apply(p):
 def probe():
     """Evidence that a one-layer Qwen3-VL language model gives a left-padded row of a
     ``BatchKVCache`` batch something else than the row alone (or raises)."""
-    from mlx_lm_patches.selftest.tiny_vlm_models import batched_rows_problem
+    from mlx_lm_patches.mechanisms.probing.vlm_problems import batched_rows_problem
 
     return batched_rows_problem(sys.modules[MODULE], "qwen3_vl")
 

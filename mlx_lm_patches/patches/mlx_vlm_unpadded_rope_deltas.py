@@ -66,7 +66,7 @@ def apply(p):
 def probe():
     """Evidence that ``_unpad_batch_prompts`` strips a padded row's columns but keeps the
     ``rope_deltas`` computed against the padded width."""
-    from mlx_lm_patches.selftest.tiny_vlm_models import unpadded_deltas_problem
+    from mlx_lm_patches.mechanisms.probing.vlm_problems import unpadded_deltas_problem
 
     return unpadded_deltas_problem(sys.modules[MODULE])
 

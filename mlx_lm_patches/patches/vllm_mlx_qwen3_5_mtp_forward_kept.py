@@ -92,8 +92,8 @@ def probe():
     """Evidence that, after vllm-mlx's ``inject_mtp_support`` on a tiny mlx-vlm Qwen3.5 (with a
     tiny ``model-mtp.safetensors``), its language model ignores the ``inputs_embeds`` it is
     handed: other logits than mlx-vlm's own forward."""
-    from mlx_lm_patches.selftest.tiny_vlm_models import available
-    from mlx_lm_patches.selftest.tiny_vllm_mlx import mtp_forward_problem
+    from mlx_lm_patches.mechanisms.probing.tiny_vlm import available
+    from mlx_lm_patches.mechanisms.probing.vllm_mlx import mtp_forward_problem
     from mlx_lm_patches.engine.contract import NotNeeded
 
     if not available("qwen3_5"):

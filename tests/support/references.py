@@ -13,7 +13,8 @@ The key includes the patches applied at the time: a reference computed on stock 
 handed to a patched test, and the other way round.
 """
 
-from mlx_lm_patches.selftest.scenarios import Decoded, greedy
+from mlx_lm_patches.mechanisms.probing.decoded import Decoded
+from mlx_lm_patches.selftest.scenarios import greedy
 from mlx_lm_patches.selftest.tiny_models import build_tiny_model
 
 _TINY = {}
