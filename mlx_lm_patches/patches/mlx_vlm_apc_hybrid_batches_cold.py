@@ -48,6 +48,6 @@ def scenario():
     """A tiny random-weight mlx-vlm Qwen3.5 with mlx-vlm's prefix cache: a prompt, then two
     requests sharing or extending it sent together, then an extension alone, each answered as
     without the cache (the last one a hit)."""
-    from mlx_lm_patches.selftest.tiny_vlm_models import apc_scenario
+    from mlx_lm_patches.selftest.vlm.prefix_cache import apc_scenario
 
     return apc_scenario("qwen3_5")  # (needs hits-refused: where that applies, no hit: n/a)

@@ -39,6 +39,6 @@ def probe():
 def scenario():
     """A tiny random-weight mlx-vlm Qwen3.5 with mlx-vlm's prefix cache: every request answered
     as without the cache (with the fix there is no hit)."""
-    from mlx_lm_patches.selftest.tiny_vlm_models import apc_scenario
+    from mlx_lm_patches.selftest.vlm.prefix_cache import apc_scenario
 
     return apc_scenario("qwen3_5", require_hit=False)

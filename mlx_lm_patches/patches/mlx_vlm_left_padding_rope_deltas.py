@@ -78,6 +78,6 @@ def scenario():
     ``BatchGenerator`` as ``batch_generate`` feeds them (one padded batch, embeddings under its
     mask, the generator told each row's padding) equal each prompt alone through mlx-vlm's
     ``generate_step``."""
-    from mlx_lm_patches.selftest import tiny_vlm_models as vlm
+    from mlx_lm_patches.selftest.vlm.batch_generate import batch_generate_scenario
 
-    return vlm.batch_generate_scenario("qwen3_5", "told")
+    return batch_generate_scenario("qwen3_5", "told")

@@ -45,6 +45,6 @@ def probe():
 def scenario():
     """A tiny random-weight mlx-vlm Qwen3-VL-MoE: prompts of 5, 9 and 13 tokens through mlx-vlm's
     ``BatchGenerator`` and mlx-lm's equal each prompt alone through mlx-vlm's ``generate_step``."""
-    from mlx_lm_patches.selftest.tiny_vlm_models import scenario_outcome
+    from mlx_lm_patches.selftest.vlm.batching import scenario_outcome
 
     return scenario_outcome("qwen3_vl_moe", only=("mlx-vlm", "mlx-lm"), before_rows=True)

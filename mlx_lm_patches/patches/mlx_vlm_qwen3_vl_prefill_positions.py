@@ -39,6 +39,6 @@ def scenario():
     """The tiny random-weight model: prompts of 5, 9 and 13 tokens inserted one by one into
     mlx-vlm's ``BatchGenerator``, and its language model prefilling a padded batch without
     positions, equal each prompt alone."""
-    from mlx_lm_patches.selftest.tiny_vlm_models import prefill_positions_scenario
+    from mlx_lm_patches.selftest.vlm.positions import prefill_positions_scenario
 
     return prefill_positions_scenario(LANGUAGE, "qwen3_vl")

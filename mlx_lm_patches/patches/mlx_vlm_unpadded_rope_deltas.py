@@ -75,6 +75,6 @@ def scenario():
     """A tiny random-weight mlx-vlm Qwen3.5: prompts of 5, 9 and 13 tokens fed to mlx-vlm's
     ``BatchGenerator`` as ``batch_generate`` feeds them (one padded batch, its attention mask
     and embeddings) equal each prompt alone through mlx-vlm's ``generate_step``."""
-    from mlx_lm_patches.selftest import tiny_vlm_models as vlm
+    from mlx_lm_patches.selftest.vlm.batch_generate import batch_generate_scenario
 
-    return vlm.batch_generate_scenario("qwen3_5", "stripped")
+    return batch_generate_scenario("qwen3_5", "stripped")

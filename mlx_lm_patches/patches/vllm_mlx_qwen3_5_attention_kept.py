@@ -64,6 +64,6 @@ def scenario():
     """vllm-mlx's ``MLLMBatchGenerator`` on a tiny random-weight mlx-vlm Qwen3.5: text requests
     of 3, 17 and 9 tokens sent at once equal each prompt alone through mlx-vlm's
     ``generate_step``."""
-    from mlx_lm_patches.selftest import tiny_vllm_mlx
+    from mlx_lm_patches.selftest import vllm_mlx_engine
 
-    return tiny_vllm_mlx.scenario_outcome()
+    return vllm_mlx_engine.scenario_outcome()

@@ -19,7 +19,8 @@ from typing import List, Optional
 
 from mlx_lm_patches.mechanisms.probing import tiny_vlm
 from mlx_lm_patches.mechanisms.probing.vllm_mlx import LANGUAGE, write_mtp_sidecar
-from mlx_lm_patches.selftest import tiny_vlm_models as vlm
+from mlx_lm_patches.selftest.vlm import batch_generate
+from mlx_lm_patches.selftest.vlm.api import unsupported_api
 
 MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")  # the MoE model's attention is the same class
 PROMPT_LENGTHS = (3, 17, 9)
@@ -58,7 +59,7 @@ def prompts() -> List[List[int]]:
     return [prompt_tokens(n, seed=n) for n in PROMPT_LENGTHS]
 
 
-def _generator(model, processor, size: int, max_tokens: int):
+def mllm_generator(model, processor, size: int, max_tokens: int):
     from vllm_mlx.mllm_batch_generator import MLLMBatchGenerator
 
     return MLLMBatchGenerator(model, processor=processor, max_tokens=max_tokens, stop_tokens=set(),
@@ -66,7 +67,7 @@ def _generator(model, processor, size: int, max_tokens: int):
                               enable_vision_cache=False)
 
 
-def _decoded(generator, requests, max_tokens: int):
+def decode_requests(generator, requests, max_tokens: int):
     """``requests`` inserted at once into ``generator`` and decoded to the end, greedy; one
     :class:`~mlx_lm_patches.mechanisms.probing.decoded.Decoded` per request, in order."""
     from mlx_lm_patches.mechanisms.probing.decoded import Decoded
@@ -104,7 +105,7 @@ def mllm_batched(model, rows, max_tokens: int = MAX_TOKENS):
     requests = [MLLMBatchRequest(uid=-1, request_id=f"row{i}", prompt="", max_tokens=max_tokens,
                                  temperature=0.0, top_p=1.0, input_ids=mx.array([row]))
                 for i, row in enumerate(rows)]
-    return _decoded(_generator(model, None, len(rows), max_tokens), requests, max_tokens)
+    return decode_requests(mllm_generator(model, None, len(rows), max_tokens), requests, max_tokens)
 
 
 def image_data_url(image) -> str:
@@ -118,11 +119,11 @@ def image_data_url(image) -> str:
 
 
 def image_requests() -> List[tuple]:
-    """:data:`~mlx_lm_patches.selftest.tiny_vlm_models.IMAGE_PROMPTS` as ``(text, images)``: the
-    first three with one of :func:`~mlx_lm_patches.selftest.tiny_vlm_models.test_images` each,
+    """:data:`~mlx_lm_patches.selftest.vlm.batch_generate.IMAGE_PROMPTS` as ``(text, images)``:
+    the first three with one of :func:`~mlx_lm_patches.selftest.vlm.batch_generate.test_images` each,
     the fourth text only."""
-    images = vlm.test_images()
-    return [(text, images[i:i + 1] or None) for i, text in enumerate(vlm.IMAGE_PROMPTS)]
+    images = batch_generate.test_images()
+    return [(text, images[i:i + 1] or None) for i, text in enumerate(batch_generate.IMAGE_PROMPTS)]
 
 
 def alone_with_images(model, processor, text, images, max_tokens: int = MAX_TOKENS):
@@ -142,34 +143,6 @@ def alone_with_images(model, processor, text, images, max_tokens: int = MAX_TOKE
                                inputs.get("attention_mask"), max_tokens=max_tokens, **extra))
     model.language_model._position_ids = model.language_model._rope_deltas = None
     return Decoded([int(t) for t, _ in steps], [lp.reshape(-1) for _, lp in steps])
-
-
-def image_requests_problem(model, model_type: str, max_tokens: int = MAX_TOKENS) -> Optional[str]:
-    """``None`` if :func:`image_requests` sent at once to vllm-mlx's ``MLLMBatchGenerator`` (chat
-    prompts, images as base64 data URLs, mlx-vlm's own processor over a locally built
-    tokenizer: :func:`~mlx_lm_patches.selftest.tiny_vlm_models.vision_processor`) are each answered
-    as alone (:func:`alone_with_images`); else what differs. ``model`` is built with
-    ``images=True``."""
-    from mlx_vlm.prompt_utils import apply_chat_template
-    from vllm_mlx.mllm_batch_generator import MLLMBatchRequest
-
-    processor = vlm.vision_processor(model_type)
-    items = image_requests()
-    reference = [alone_with_images(model, processor, text, images, max_tokens) for text, images in items]
-    requests = [MLLMBatchRequest(uid=-1, request_id=f"request{i}", max_tokens=max_tokens,
-                                 temperature=0.0, top_p=1.0,
-                                 prompt=apply_chat_template(processor, model.config, text,
-                                                            num_images=len(images or ())),
-                                 images=[image_data_url(image) for image in images] if images else None)
-                for i, (text, images) in enumerate(items)]
-    with attention_as_found():
-        got = _decoded(_generator(model, processor, len(requests), max_tokens), requests, max_tokens)
-    for i, (ref, decoded) in enumerate(zip(reference, got)):
-        problem = ref.compare(decoded)
-        if problem:
-            kind = "image" if items[i][1] else "text"
-            return f"vllm-mlx MLLMBatchGenerator, mlx-vlm {model_type}, {kind} request {i}: {problem}"
-    return None
 
 
 def batched_problem(model, model_type: str) -> Optional[str]:
@@ -193,7 +166,7 @@ def scenario_outcome(model_type: str = "qwen3_5"):
 
     if not available(model_type):
         return Outcome.not_applicable(f"vllm-mlx's vision engine or mlx-vlm's {model_type} is not installed")
-    why = vlm.unsupported_api(model_type)
+    why = unsupported_api(model_type)
     if why:
         return Outcome.not_applicable(why)
     model = tiny_vlm.build(model_type)
@@ -251,7 +224,7 @@ def enable_mtp_problem(root, model_type: str = "qwen3_5", max_tokens: int = MTP_
 
     folder, model = tiny_vlm.write_model_folder(f"{root}/model", model_type)
     write_mtp_sidecar(folder, model_type)
-    processor = vlm.vision_processor(model_type)
+    processor = batch_generate.vision_processor(model_type)
     items = image_requests()
     reference = [alone_with_images(model, processor, text, images, max_tokens) for text, images in items]
     sent = [(apply_chat_template(processor, model.config, text, num_images=len(images or ())),
