@@ -141,8 +141,8 @@ def main():
     import mlx.core as mx
 
     from speculation_costs import describe, draft_proportions, proportions
-    from mlx_lm_patches.demos.scenarios import prompt_tokens
-    from mlx_lm_patches.demos.tiny_models import build_tiny_model
+    from mlx_lm_patches.selftest.scenarios import prompt_tokens
+    from mlx_lm_patches.selftest.tiny_models import build_tiny_model
 
     main_shape = proportions(args.family, args.layers, args.hidden, args.vocab)
     draft_shape = draft_proportions(args.family, args.hidden, args.vocab)

@@ -27,8 +27,9 @@ def main():
 
     mlx_lm_patches.apply()
     from mlx_lm_patches.engine import versions
-    from mlx_lm_patches.demos.scenarios import batched_greedy, greedy, prompt_tokens
-    from mlx_lm_patches.demos.tiny_models import build_tiny_model
+    from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
+    from mlx_lm_patches.selftest.scenarios import batched_greedy, greedy
+    from mlx_lm_patches.selftest.tiny_models import build_tiny_model
 
     model = build_tiny_model(args.model_type, seed=0)
     print(f"mlx-lm {versions.mlx_lm().describe()}, mlx {versions.mlx().describe()}, "

@@ -31,7 +31,7 @@ import time
 def _model(layers, hidden):
     import mlx.core as mx
 
-    from mlx_lm_patches.demos.tiny_models import available_model_types, build_tiny_model, tiny_config
+    from mlx_lm_patches.selftest.tiny_models import available_model_types, build_tiny_model, tiny_config
 
     model_type = "qwen3_5" if "qwen3_5" in available_model_types() else "qwen3_next"
     config = tiny_config(model_type)
@@ -64,7 +64,7 @@ def main(argv=None):
     from mlx_lm.generate import generate_step
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlx_lm_patches.demos.scenarios import prompt_tokens
+    from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
 
     mlx_lm_patches.apply()
     model_type, model = _model(args.layers, args.hidden)

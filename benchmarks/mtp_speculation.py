@@ -56,7 +56,8 @@ def compare(model, share, args):
     import mlx.core as mx
     from mlx_lm.generate import speculative_generate_step
 
-    from mlx_lm_patches.demos.scenarios import greedy, prompt_tokens, speculative_greedy
+    from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
+    from mlx_lm_patches.selftest.scenarios import greedy, speculative_greedy
 
     prompt = prompt_tokens(32, seed=5)
     ref = greedy(model, prompt, max_tokens=args.tokens)
@@ -84,7 +85,7 @@ def cost_split(model, args):
 
     from mlx_lm_patches.mechanisms.journal import Journal
     from mlx_lm_patches.mechanisms.mtp.decoding import depths_of
-    from mlx_lm_patches.demos.scenarios import prompt_tokens
+    from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
 
     prompt = prompt_tokens(256, seed=7)
     draft = model.make_draft_model()
@@ -176,7 +177,7 @@ def main():
     from mlx_lm import load
 
     from mlx_lm_patches.engine import versions
-    from mlx_lm_patches.demos.mtp_checkpoints import write_mtp_checkpoint
+    from mlx_lm_patches.selftest.mtp_checkpoints import write_mtp_checkpoint
 
     for model_type in args.model_types:
         with tempfile.TemporaryDirectory() as tmp:

@@ -38,7 +38,7 @@ def _model(hidden, layers):
     import mlx.core as mx
     from mlx_lm.models.qwen3_next import Model, ModelArgs
 
-    from mlx_lm_patches.demos.tiny_models import tiny_config
+    from mlx_lm_patches.selftest.tiny_models import tiny_config
 
     config = dict(tiny_config("qwen3_next"), hidden_size=hidden, intermediate_size=2 * hidden,
                   num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=2,
@@ -67,7 +67,8 @@ def _first_tokens(model, prompt, cache, step, n=4):
 def time_to_first_token(model, args):
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlx_lm_patches.demos.scenarios import lru_prompt_cache_class, prompt_tokens
+    from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
+    from mlx_lm_patches.selftest.scenarios import lru_prompt_cache_class
 
     shared = prompt_tokens(args.shared, vocab=256, seed=5)
     a = shared + prompt_tokens(args.tail, seed=6)
@@ -111,7 +112,8 @@ def _first_tokens_speculative(model, draft, prompt, cache, step, n=4):
 def speculative_time_to_first_token(model, draft, args):
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlx_lm_patches.demos.scenarios import lru_prompt_cache_class, prompt_tokens
+    from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
+    from mlx_lm_patches.selftest.scenarios import lru_prompt_cache_class
 
     def both():
         return make_prompt_cache(model) + make_prompt_cache(draft)
@@ -147,7 +149,7 @@ def keeping_cost(model, args):
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlx_lm_patches.demos.scenarios import prompt_tokens
+    from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
 
     prompt, chunk = prompt_tokens(args.shared * 2, vocab=256, seed=11), 512
 
@@ -192,7 +194,8 @@ def bytes_per_checkpoint(model):
     from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
     from mlx_lm_patches.mechanisms import prefix_reuse as pc
-    from mlx_lm_patches.demos.scenarios import lru_prompt_cache_class, prompt_tokens
+    from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
+    from mlx_lm_patches.selftest.scenarios import lru_prompt_cache_class
 
     print("\n4. bytes kept per recurrent layer per checkpoint")
     lru_prompt_cache_class()()  # states are kept while a prompt cache exists
@@ -207,7 +210,7 @@ def bytes_per_checkpoint(model):
     import mlx.core as mx
     from mlx_lm.models.qwen3_next import ModelArgs, Qwen3NextGatedDeltaNet
 
-    from mlx_lm_patches.demos.tiny_models import tiny_config
+    from mlx_lm_patches.selftest.tiny_models import tiny_config
 
     real = dict(tiny_config("qwen3_next"), hidden_size=2048, linear_num_value_heads=32,
                 linear_num_key_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,

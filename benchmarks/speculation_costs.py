@@ -12,7 +12,7 @@ models (those exaggerate the draft's share): ``--layers`` (default 24) layers of
 layer; nemotron_h: ``M-M-M-M*-`` repeated, Mamba-2 / MLP / attention blocks; deepseek_v3: first
 layer dense, the others MoE, latent attention), a vocabulary of ``--vocab`` (8192, so the output
 head is a realistic share of a step), an MTP head of one layer (written as a checkpoint by
-``demos.mtp_checkpoints`` and loaded through ``mlx_lm.load``, patches on), and a separate draft
+``selftest.mtp_checkpoints`` and loaded through ``mlx_lm.load``, patches on), and a separate draft
 model of the same family, four layers (deepseek_v3: two) of half the width: its cost per token is
 measured and printed (about 1/10 of the main model's is the target).
 
@@ -73,7 +73,7 @@ def proportions(family, layers, hidden, vocab):
     """Config overrides (for ``build_tiny_model`` / ``write_mtp_checkpoint``) giving ``family``
     ``layers`` layers (rounded up to its pattern) of width ``hidden`` and a vocabulary of
     ``vocab``, keeping the family's layer pattern."""
-    from mlx_lm_patches.demos.tiny_models import tiny_config
+    from mlx_lm_patches.selftest.tiny_models import tiny_config
 
     heads = max(1, hidden // 64)
     if family == "qwen3_5":
@@ -155,7 +155,7 @@ class Costs:
     def __init__(self, model, context, repeats):
         import mlx.core as mx
 
-        from mlx_lm_patches.demos.scenarios import prompt_tokens
+        from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
 
         self.model, self.repeats = model, repeats
         self.prompt = mx.array(prompt_tokens(context, vocab=256, seed=7))[None]
@@ -303,7 +303,7 @@ def speculate(model, draft, prompt, tokens, k):
     import mlx.core as mx
     from mlx_lm.generate import speculative_generate_step
 
-    from mlx_lm_patches.demos.scenarios import Decoded
+    from mlx_lm_patches.mechanisms.probing.decoded import Decoded
 
     out, logprobs, flags = [], [], []
     for token, lp, from_draft in speculative_generate_step(mx.array(prompt), model, draft, num_draft_tokens=k,
@@ -327,7 +327,7 @@ def adaptive_drafting(on):
 def measured_ratio(model, make_draft, prompt, ref, k, args, adaptive=False):
     """(ratio, accepted / drafted, exact) of speculation with draft length ``k`` vs greedy
     (``adaptive``: k is the most per round, the adaptive-drafting patch chooses)."""
-    from mlx_lm_patches.demos.scenarios import greedy
+    from mlx_lm_patches.selftest.scenarios import greedy
 
     adaptive_drafting(adaptive)
     draft = make_draft()
@@ -386,9 +386,10 @@ def run_family(family, args):
     import mlx.core as mx
     from mlx_lm import load
 
-    from mlx_lm_patches.demos.mtp_checkpoints import write_mtp_checkpoint
-    from mlx_lm_patches.demos.scenarios import greedy, prompt_tokens
-    from mlx_lm_patches.demos.tiny_models import build_tiny_model
+    from mlx_lm_patches.selftest.mtp_checkpoints import write_mtp_checkpoint
+    from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
+    from mlx_lm_patches.selftest.scenarios import greedy
+    from mlx_lm_patches.selftest.tiny_models import build_tiny_model
     from support.mtp_drafts import hinted_draft
 
     main_shape = proportions(family, args.layers, args.hidden, args.vocab)

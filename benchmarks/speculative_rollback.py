@@ -55,8 +55,9 @@ def _timed(fn, repeats):
 
 
 def speculation(model_types, args):
-    from mlx_lm_patches.demos.scenarios import greedy, prompt_tokens, speculative_greedy
-    from mlx_lm_patches.demos.tiny_models import build_tiny_model
+    from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
+    from mlx_lm_patches.selftest.scenarios import greedy, speculative_greedy
+    from mlx_lm_patches.selftest.tiny_models import build_tiny_model
 
     prompt = prompt_tokens(args.prompt_len, seed=1)
     print(f"\n1. speculative / greedy throughput, num_draft_tokens={args.num_draft}, {args.tokens} tokens")
@@ -100,8 +101,8 @@ def rollback_cost(model_type, args):
     from mlx_lm.models.cache import ArraysCache, make_prompt_cache, trim_prompt_cache
 
     from mlx_lm_patches.mechanisms.journal import Journal
-    from mlx_lm_patches.demos.scenarios import prompt_tokens
-    from mlx_lm_patches.demos.tiny_models import build_tiny_model
+    from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
+    from mlx_lm_patches.selftest.tiny_models import build_tiny_model
 
     model = build_tiny_model(model_type, seed=0)
     prefix = prompt_tokens(args.context, seed=2)
@@ -155,7 +156,7 @@ def main():
 
     mlx_lm_patches.apply()
     from mlx_lm_patches.engine import versions
-    from mlx_lm_patches.demos.tiny_models import DENSE_MODEL_TYPE
+    from mlx_lm_patches.selftest.tiny_models import DENSE_MODEL_TYPE
 
     print(f"mlx-lm {versions.mlx_lm().describe()}, mlx {versions.mlx().describe()}, tiny models")
     speculation([args.model_type, DENSE_MODEL_TYPE], args)

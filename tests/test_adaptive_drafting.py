@@ -17,8 +17,9 @@ of each round, and the output never moves.
 
 import pytest
 
-from mlx_lm_patches.demos.scenarios import continue_after_speculation, greedy, prompt_tokens
-from mlx_lm_patches.demos.tiny_models import DENSE_MODEL_TYPE, available_model_types, build_tiny_model
+from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
+from mlx_lm_patches.selftest.scenarios import continue_after_speculation, greedy
+from mlx_lm_patches.selftest.tiny_models import DENSE_MODEL_TYPE, available_model_types, build_tiny_model
 from mlx_lm_patches.mechanisms.adaptive import Controller, forced
 
 import mlx.core as mx  # noqa: E402
@@ -36,7 +37,7 @@ TOKENS = 16
 def _speculate(model, draft, prompt, schedule, num_draft=3, max_tokens=TOKENS, **kwargs):
     from mlx_lm.generate import speculative_generate_step
 
-    from mlx_lm_patches.demos.scenarios import Decoded
+    from mlx_lm_patches.mechanisms.probing.decoded import Decoded
 
     tokens, logprobs, flags = [], [], []
     with forced(schedule):
@@ -116,8 +117,8 @@ def test_stream_generate_with_a_forced_schedule(tmp_path):
     from mlx_lm import load
     from mlx_lm.generate import stream_generate
 
-    from mlx_lm_patches.demos.model_folder import write_model_folder
-    from mlx_lm_patches.demos.tiny_models import tiny_config
+    from mlx_lm_patches.selftest.model_folder import write_model_folder
+    from mlx_lm_patches.selftest.tiny_models import tiny_config
 
     model, tokenizer = load(str(write_model_folder(tmp_path / "m", build_tiny_model(HYBRID, seed=1),
                                                    tiny_config(HYBRID))))
@@ -139,7 +140,7 @@ def test_mtp_head_with_a_forced_schedule(tmp_path):
     steps on its own."""
     from mlx_lm import load
 
-    from mlx_lm_patches.demos.mtp_checkpoints import write_mtp_checkpoint
+    from mlx_lm_patches.selftest.mtp_checkpoints import write_mtp_checkpoint
     from support.mtp_drafts import hinted_draft
 
     family = next(f for f in ("qwen3_5", "qwen3_next", "deepseek_v3") if f in available_model_types())

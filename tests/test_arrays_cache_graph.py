@@ -17,8 +17,8 @@ import gc
 import pytest
 
 from conftest import reverted, xfail_if_affected
-from mlx_lm_patches.demos.scenarios import prompt_tokens
-from mlx_lm_patches.demos.tiny_models import available_model_types, build_tiny_model
+from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
+from mlx_lm_patches.selftest.tiny_models import available_model_types, build_tiny_model
 
 
 import mlx.core as mx  # noqa: E402

@@ -5,8 +5,9 @@ family; calls with a size are unchanged."""
 import pytest
 
 from mlx_lm_patches.patches.arrays_cache_optional_size import AutoSizedSlots
-from mlx_lm_patches.demos.scenarios import greedy, prefill, prompt_tokens, round_trip_prompt_cache
-from mlx_lm_patches.demos.tiny_models import available_model_types, build_tiny_model
+from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
+from mlx_lm_patches.selftest.scenarios import greedy, prefill, round_trip_prompt_cache
+from mlx_lm_patches.selftest.tiny_models import available_model_types, build_tiny_model
 
 
 import mlx.core as mx  # noqa: E402

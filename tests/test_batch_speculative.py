@@ -17,8 +17,8 @@ import sys
 
 import pytest
 
-from mlx_lm_patches.demos.scenarios import Decoded, greedy, prompt_tokens
-from mlx_lm_patches.demos.tiny_models import DENSE_MODEL_TYPE, available_model_types, build_tiny_model, nearby_model
+from mlx_lm_patches.selftest.scenarios import Decoded, greedy, prompt_tokens
+from mlx_lm_patches.selftest.tiny_models import DENSE_MODEL_TYPE, available_model_types, build_tiny_model, nearby_model
 from mlx_lm_patches.mechanisms.adaptive import forced
 from mlx_lm_patches.patches.batch_speculative_decoding import ATTR, batched_speculative
 
@@ -192,8 +192,8 @@ def _provider(tmp_path, draft_path):
 
     from mlx_lm.server import ModelProvider
 
-    from mlx_lm_patches.demos.model_folder import write_model_folder
-    from mlx_lm_patches.demos.tiny_models import tiny_config
+    from mlx_lm_patches.selftest.model_folder import write_model_folder
+    from mlx_lm_patches.selftest.tiny_models import tiny_config
 
     main = write_model_folder(tmp_path / "main", build_tiny_model(HYBRID, seed=1), tiny_config(HYBRID))
     args = argparse.Namespace(model=str(main), adapter_path=None, draft_model=None, num_draft_tokens=2,
@@ -209,8 +209,8 @@ def test_the_server_keeps_batching_with_a_draft_model(tmp_path):
     ``BatchGenerator(model, ...)`` drafts with that model and ``--num-draft-tokens``."""
     from mlx_lm.generate import BatchGenerator
 
-    from mlx_lm_patches.demos.model_folder import write_model_folder
-    from mlx_lm_patches.demos.tiny_models import tiny_config
+    from mlx_lm_patches.selftest.model_folder import write_model_folder
+    from mlx_lm_patches.selftest.tiny_models import tiny_config
 
     draft = write_model_folder(tmp_path / "draft", build_tiny_model(DENSE_MODEL_TYPE, seed=2),
                                tiny_config(DENSE_MODEL_TYPE))

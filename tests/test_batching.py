@@ -5,8 +5,9 @@ per-prompt caches. Through mlx-lm's own BatchGenerator and batch_generate, patch
 
 import pytest
 
-from mlx_lm_patches.demos.scenarios import batched_greedy, greedy, prompt_tokens, split_prefilled
-from mlx_lm_patches.demos.tiny_models import DENSE_MODEL_TYPE, available_model_types, build_tiny_model
+from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
+from mlx_lm_patches.selftest.scenarios import batched_greedy, greedy, split_prefilled
+from mlx_lm_patches.selftest.tiny_models import DENSE_MODEL_TYPE, available_model_types, build_tiny_model
 from support.references import tiny_greedy
 
 
@@ -51,8 +52,8 @@ def test_batch_generate_token_ids_equal_generate(model_type):
 
     from mlx_lm import load
     from mlx_lm.generate import batch_generate
-    from mlx_lm_patches.demos.model_folder import write_model_folder
-    from mlx_lm_patches.demos.tiny_models import tiny_config
+    from mlx_lm_patches.selftest.model_folder import write_model_folder
+    from mlx_lm_patches.selftest.tiny_models import tiny_config
 
     if "return_token_ids" not in inspect.signature(batch_generate).parameters:
         pytest.skip("batch_generate of this release returns texts only")

@@ -20,9 +20,9 @@ import pytest
 
 from conftest import clean_env, xfail_if_affected
 from support.chat_reference import chat_prompt, chat_reference, token_reference
-from mlx_lm_patches.demos.model_folder import write_model_folder
+from mlx_lm_patches.selftest.model_folder import write_model_folder
 from support.server import ServerExited, serve
-from mlx_lm_patches.demos.tiny_models import DENSE_MODEL_TYPE, build_tiny_model, tiny_config
+from mlx_lm_patches.selftest.tiny_models import DENSE_MODEL_TYPE, build_tiny_model, tiny_config
 
 pytestmark = [pytest.mark.subprocess, pytest.mark.release_only]
 

@@ -19,8 +19,8 @@ lives in ``mlx_lm_patches`` (tests/support/package_calls.py).
 import pytest
 
 import mlx_lm_patches
-from mlx_lm_patches.demos.scenarios import prompt_tokens
-from mlx_lm_patches.demos.tiny_models import DENSE_MODEL_TYPE, build_tiny_model, tiny_config
+from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
+from mlx_lm_patches.selftest.tiny_models import DENSE_MODEL_TYPE, build_tiny_model, tiny_config
 from support.counting import CountingModel
 from support.package_calls import count_calls
 
@@ -30,7 +30,7 @@ PATCH = "prompt-cache-prefix-reuse"
 
 def _hybrid():
     """A two-layer qwen3_5 (one gated-delta layer, one attention layer), else qwen3_next."""
-    from mlx_lm_patches.demos.tiny_models import available_model_types
+    from mlx_lm_patches.selftest.tiny_models import available_model_types
 
     model_type = "qwen3_5" if "qwen3_5" in available_model_types() else "qwen3_next"
     config = tiny_config(model_type)

@@ -50,9 +50,9 @@ import time
 import pytest
 
 from conftest import clean_env, xfail_if_affected
-from mlx_lm_patches.demos.model_folder import write_model_folder
-from mlx_lm_patches.demos.mtp_checkpoints import write_mtp_checkpoint
-from mlx_lm_patches.demos.tiny_models import build_tiny_model, tiny_config
+from mlx_lm_patches.selftest.model_folder import write_model_folder
+from mlx_lm_patches.selftest.mtp_checkpoints import write_mtp_checkpoint
+from mlx_lm_patches.selftest.tiny_models import build_tiny_model, tiny_config
 from support.chat_reference import chat_prompt, chat_reference
 from support.server import launcher, serve, server_flags
 
@@ -96,7 +96,7 @@ def _layout_skip(model_type, args):
     """Why the installed release cannot serve ``model_type`` this way, or None."""
     import mlx_lm.utils
 
-    from mlx_lm_patches.demos.tiny_models import _module_exists
+    from mlx_lm_patches.selftest.tiny_models import _module_exists
 
     if not hasattr(mlx_lm.utils, "sharded_load"):
         return "mlx_lm.utils has no sharded_load"

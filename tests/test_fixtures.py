@@ -3,9 +3,10 @@ model folders that mlx-lm's own loader reads back exactly, offline."""
 
 import pytest
 
-from mlx_lm_patches.demos.scenarios import greedy, prompt_tokens
-from mlx_lm_patches.demos.model_folder import write_model_folder
-from mlx_lm_patches.demos.tiny_models import (
+from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
+from mlx_lm_patches.selftest.scenarios import greedy
+from mlx_lm_patches.selftest.model_folder import write_model_folder
+from mlx_lm_patches.selftest.tiny_models import (
     DENSE_MODEL_TYPE, HYBRID_MODEL_TYPES, available_model_types, build_tiny_model, cache_kinds,
     tiny_config,
 )

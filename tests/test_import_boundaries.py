@@ -1,6 +1,9 @@
 """Imports only run downward, read from the source (every module under ``mlx_lm_patches/``):
-a patch never imports another patch (shared code lives in ``mechanisms/``), and a mechanism
-never imports a patch or the demos.
+a patch never imports another patch (shared code lives in ``mechanisms/``), a mechanism
+never imports a patch or the self-test kit (``selftest/``, what ``check`` runs; the helpers a
+production probe runs live in ``mechanisms/probing/``), and the kit never imports a patch. A
+patch imports the kit only inside its ``scenario`` (and what only the scenario calls): never
+at import, nor in ``probe`` or ``apply``.
 """
 
 import ast
@@ -13,15 +16,10 @@ import mlx_lm_patches
 PACKAGE = pathlib.Path(mlx_lm_patches.__file__).parent
 PATCHES = "mlx_lm_patches.patches"
 MECHANISMS = "mlx_lm_patches.mechanisms"
-DEMOS = "mlx_lm_patches.demos"
+SELFTEST = "mlx_lm_patches.selftest"
 
 # (importing module, imported module) pairs allowed for now, each with why.
-EXCEPTIONS = {
-    # The mlx-vlm prefill-positions patches are built by a factory in vlm_positions, whose probe
-    # and scenario run the tiny mlx-vlm models of the demos: untangled by the demos split
-    # (probe helpers beside the mechanisms, the self-test kit apart), issue 36.
-    ("mlx_lm_patches.mechanisms.vlm_positions", "mlx_lm_patches.demos.tiny_vlm_models"),
-}
+EXCEPTIONS = set()
 
 
 def _module_name(path: pathlib.Path) -> str:
@@ -60,7 +58,9 @@ def _violations():
         if _under(importer, PATCHES) and importer != PATCHES:
             forbidden = [PATCHES]
         elif _under(importer, MECHANISMS):
-            forbidden = [PATCHES, DEMOS]
+            forbidden = [PATCHES, SELFTEST]
+        elif _under(importer, SELFTEST):
+            forbidden = [PATCHES]
         else:
             continue
         for imported in sorted(set(_imports(path))):
@@ -74,6 +74,31 @@ def _violations():
 @pytest.mark.python_only
 def test_imports_only_run_downward():
     assert _violations() == []
+
+
+def _kit_imports_outside_scenarios():
+    """``module.function imports kit-module`` for every import of the kit in a patch module
+    outside a function whose name holds ``scenario`` or starts with ``_`` (helpers)."""
+    found = []
+    for path in sorted((PACKAGE / "patches").glob("*.py")):
+        importer = _module_name(path)
+        tree = ast.parse(path.read_text(), str(path))
+        scopes = [("<module>", [n for n in tree.body if not isinstance(n, (ast.FunctionDef, ast.ClassDef))])]
+        scopes += [(n.name, [n]) for n in tree.body if isinstance(n, ast.FunctionDef)
+                   and "scenario" not in n.name and not n.name.startswith("_")]
+        for name, nodes in scopes:
+            for node in (sub for top in nodes for sub in ast.walk(top)):
+                module = getattr(node, "module", None) if isinstance(node, ast.ImportFrom) else None
+                names = [a.name for a in node.names] if isinstance(node, (ast.Import, ast.ImportFrom)) else []
+                if any(_under(m, SELFTEST) for m in ([module] if module else []) + names):
+                    found.append(f"{importer}.{name} imports {module or names}")
+    return found
+
+
+@pytest.mark.python_only
+def test_probes_never_import_the_kit():
+    """A probe runs in the user's process: what it needs lives in ``mechanisms/probing/``."""
+    assert _kit_imports_outside_scenarios() == []
 
 
 @pytest.mark.python_only

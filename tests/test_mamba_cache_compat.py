@@ -6,8 +6,9 @@ import pytest
 
 from conftest import run_python, xfail_if_affected
 from mlx_lm_patches.patches import mamba_cache_compat as patch
-from mlx_lm_patches.demos.scenarios import greedy, prompt_tokens
-from mlx_lm_patches.demos.tiny_models import available_model_types, build_tiny_model
+from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
+from mlx_lm_patches.selftest.scenarios import greedy
+from mlx_lm_patches.selftest.tiny_models import available_model_types, build_tiny_model
 
 
 from mlx_lm.models import cache as cache_module  # noqa: E402

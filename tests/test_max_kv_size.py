@@ -25,8 +25,9 @@ import pytest
 from conftest import reverted, xfail_if_affected
 from support.kv_window import hybrids_with_plain_attention, specified_caches
 from mlx_lm_patches.mechanisms.caches import flat_caches
-from mlx_lm_patches.demos.scenarios import Decoded, greedy, prompt_tokens
-from mlx_lm_patches.demos.tiny_models import DENSE_MODEL_TYPE, build_tiny_model
+from mlx_lm_patches.mechanisms.probing.decoded import Decoded, prompt_tokens
+from mlx_lm_patches.selftest.scenarios import greedy
+from mlx_lm_patches.selftest.tiny_models import DENSE_MODEL_TYPE, build_tiny_model
 from mlx_lm_patches.patches.hybrid_max_kv_size import positions_held
 
 

@@ -3,7 +3,7 @@ CI matrix has rows with mlx-vlm 0.4.0, 0.5.0, 0.6.4, 0.6.14, 0.6.17 and 0.7.10, 
 file is skipped).
 
 Tiny random-weight mlx-vlm models built from config dicts
-(``mlx_lm_patches/demos/tiny_vlm_models.py``), prompts of 5, 9 and 13 tokens. Reference: each
+(``mlx_lm_patches/mechanisms/probing/tiny_vlm.py``), prompts of 5, 9 and 13 tokens. Reference: each
 prompt alone through mlx-vlm's ``generate_step``. Batched: mlx-vlm's own ``BatchGenerator`` (fed
 as ``batch_generate`` feeds it, rows keeping their lengths) and mlx-lm's ``BatchGenerator``
 driving the language model. With the patches: same greedy tokens, log-probabilities within 1e-4.
@@ -20,16 +20,20 @@ pytest.importorskip("mlx_vlm")
 import mlx_lm_patches  # noqa: E402
 import conftest  # noqa: E402
 from conftest import affected, run_python, xfail_if_affected  # noqa: E402
-from mlx_lm_patches.demos import tiny_vlm_models as vlm  # noqa: E402
+from mlx_lm_patches.mechanisms.probing import tiny_vlm, vlm_problems  # noqa: E402
+from mlx_lm_patches.selftest.vlm import api as vlm_api  # noqa: E402
+from mlx_lm_patches.selftest.vlm import batch_generate as vlm_batch_generate  # noqa: E402
+from mlx_lm_patches.selftest.vlm import batching as vlm_batching  # noqa: E402
+from support import image_batches  # noqa: E402
 
 ROWS = {row.id: row for row in mlx_lm_patches.apply()}
-PATHS = vlm.paths()
+PATHS = vlm_batching.paths()
 POSITIONS = {"qwen3_5": "mlx-vlm-qwen3-5-batch-positions", "qwen3_vl": "mlx-vlm-qwen3-vl-batch-positions",
              "qwen3_vl_moe": "mlx-vlm-qwen3-vl-moe-batch-positions"}
 # the fix of batch_generate's hand-over of its padded rows, by how this mlx-vlm hands them over
 DELTAS = {"stripped": "mlx-vlm-unpadded-rope-deltas", "told": "mlx-vlm-left-padding-rope-deltas",
           "inserted": "mlx-vlm-padded-rows-stripped"}
-HANDED = (vlm.batch_generate_padding() or "inserted") if vlm.takes_rows() else None
+HANDED = (vlm_api.batch_generate_padding() or "inserted") if vlm_api.takes_rows() else None
 # from mlx-vlm 0.5: each language module's fix of its batched prefill positions
 # (qwen3_5_moe's language model inherits Qwen3.5's positions, attention and gated-delta layers)
 PREFILL = {"qwen3_5": "mlx-vlm-qwen3-5-prefill-positions", "qwen3_5_moe": "mlx-vlm-qwen3-5-prefill-positions",
@@ -53,47 +57,47 @@ def _installed_mlx_vlm():
 def _skip_unless_driven(model_type):
     """Skip where the installed mlx-vlm lacks ``model_type`` or its batching API is not one these
     drivers use."""
-    if not vlm.available(model_type):
+    if not tiny_vlm.available(model_type):
         pytest.skip(f"this mlx-vlm has no {model_type}")
-    why = vlm.unsupported_api(model_type)
+    why = vlm_api.unsupported_api(model_type)
     if why:
         pytest.skip(why)
 
 
-@pytest.fixture(scope="module", params=vlm.MODEL_TYPES)
+@pytest.fixture(scope="module", params=vlm_batching.MODEL_TYPES)
 def model(request):
     _skip_unless_driven(request.param)
-    return request.param, vlm.build(request.param)
+    return request.param, tiny_vlm.build(request.param)
 
 
 @pytest.mark.parametrize("path", list(PATHS))
 def test_batched_text_generation_equals_each_prompt_alone(model, path):
     model_type, built = model
-    assert vlm.batched_problem(built, model_type, PATHS[path]) is None
+    assert vlm_batching.batched_problem(built, model_type, PATHS[path]) is None
 
 
-@pytest.mark.parametrize("model_type", vlm.MODEL_TYPES)
+@pytest.mark.parametrize("model_type", vlm_batching.MODEL_TYPES)
 def test_batch_generate_answers_each_prompt_as_alone(model_type):
     """The user's call: ``mlx_vlm.batch_generate`` of three text prompts of different lengths,
     with a processor from a locally built tokenizer, answers each prompt as ``mlx_vlm.generate``
     answers it alone (greedy)."""
     _skip_unless_driven(model_type)
-    if not vlm.takes_rows():
+    if not vlm_api.takes_rows():
         pytest.skip("mlx-vlm < 0.5: batch_generate feeds one padded batch (the mlx-vlm path covers it)")
-    assert vlm.batch_generate_texts_problem(vlm.build(model_type), model_type) is None
+    assert vlm_batch_generate.batch_generate_texts_problem(tiny_vlm.build(model_type), model_type) is None
 
 
 @pytest.mark.parametrize("model_type", [pytest.param(m, marks=xfail_if_affected(DELTAS[HANDED]) if HANDED else ())
-                                        for m in vlm.MODEL_TYPES])
+                                        for m in vlm_batching.MODEL_TYPES])
 def test_stock_batch_generate_is_wrong_where_affected(model_type):
     """Every patch reverted: ``batch_generate`` is wrong where the matrix says this mlx-vlm's
     hand-over of its padded rows is affected (a strict xfail), right elsewhere."""
     _skip_unless_driven(model_type)
-    if not vlm.takes_rows():
+    if not vlm_api.takes_rows():
         pytest.skip("mlx-vlm < 0.5: batch_generate feeds one padded batch (the mlx-vlm path covers it)")
     mlx_lm_patches.revert()
     try:
-        problem = vlm.batch_generate_texts_problem(vlm.build(model_type), model_type)
+        problem = vlm_batch_generate.batch_generate_texts_problem(tiny_vlm.build(model_type), model_type)
     finally:
         mlx_lm_patches.apply()
     assert problem is None
@@ -109,12 +113,12 @@ def reverted(request):
 def _stock_cases():
     for model_type, pid in POSITIONS.items():
         for path in PATHS:
-            if path == "mlx-vlm" and vlm.takes_rows():
+            if path == "mlx-vlm" and vlm_api.takes_rows():
                 continue  # (>= 0.5: test_stock_rows_inserted_one_by_one_are_wrong_where_measured)
             # batch_generate's rows also go through its hand-over of the padding; from 0.5 mlx-lm's
             # BatchGenerator reaches Qwen3.5's gated-delta layers with padding only prefilled per row
             pids = [pid] + ([DELTAS[HANDED]] if path == "batch_generate" and HANDED else []) \
-                + (["batch-prefill-per-row"] if path == "mlx-lm" and model_type == "qwen3_5" and vlm.takes_rows() else [])
+                + (["batch-prefill-per-row"] if path == "mlx-lm" and model_type == "qwen3_5" and vlm_api.takes_rows() else [])
             broken = [p for p in pids if affected(p)]
             yield pytest.param(model_type, path, None, id=f"{model_type}-{path}-stock",
                                marks=xfail_if_affected(broken[0] if broken else pid))
@@ -122,7 +126,7 @@ def _stock_cases():
                        marks=xfail_if_affected("mlx-vlm-gated-delta-advance"))
     for handed, pid in DELTAS.items():
         if handed == HANDED:
-            for model_type in vlm.MODEL_TYPES:
+            for model_type in vlm_batching.MODEL_TYPES:
                 yield pytest.param(model_type, "batch_generate", [pid], id=f"{model_type}-batch_generate-own-deltas",
                                    marks=xfail_if_affected(pid))
 
@@ -132,8 +136,8 @@ def test_unpatched_batching_fails_where_affected(model_type, path, reverted):
     _skip_unless_driven(model_type)
     if path not in PATHS:
         pytest.skip(f"this mlx-vlm has no {path} path")
-    built = vlm.build(model_type)
-    assert vlm.batched_problem(built, model_type, PATHS[path]) is None
+    built = tiny_vlm.build(model_type)
+    assert vlm_batching.batched_problem(built, model_type, PATHS[path]) is None
 
 
 def _prefill_patched_module(model_type):
@@ -141,27 +145,27 @@ def _prefill_patched_module(model_type):
     import importlib
 
     _skip_unless_driven(model_type)
-    if not vlm.takes_rows():
+    if not vlm_api.takes_rows():
         pytest.skip("mlx-vlm < 0.5: the batch-positions patches cover its language models")
     return importlib.import_module(f"mlx_vlm.models.{model_type}.language")
 
 
-@pytest.mark.parametrize("model_type", vlm.MODEL_TYPES)
+@pytest.mark.parametrize("model_type", vlm_batching.MODEL_TYPES)
 def test_language_model_prefills_each_row_at_its_own_positions(model_type):
     """A two-layer language model: two rows (one left-padded) prefilled together on mlx-vlm's
     empty batch caches without positions, and a row prefilled with handed ``position_ids`` and
     ``rope_deltas``, decode their next token as the row alone (logits within 1e-4)."""
-    assert vlm.prefill_positions_problem(_prefill_patched_module(model_type), model_type) is None
+    assert vlm_problems.prefill_positions_problem(_prefill_patched_module(model_type), model_type) is None
 
 
 @pytest.mark.parametrize("model_type,reverted", [
-    pytest.param(m, [PREFILL[m]], id=m, marks=xfail_if_affected(PREFILL[m])) for m in vlm.MODEL_TYPES],
+    pytest.param(m, [PREFILL[m]], id=m, marks=xfail_if_affected(PREFILL[m])) for m in vlm_batching.MODEL_TYPES],
     indirect=["reverted"])
 def test_stock_language_model_prefills_rows_elsewhere_where_affected(model_type, reverted):
-    assert vlm.prefill_positions_problem(_prefill_patched_module(model_type), model_type) is None
+    assert vlm_problems.prefill_positions_problem(_prefill_patched_module(model_type), model_type) is None
 
 
-@pytest.mark.parametrize("model_type,reverted", [(m, [PREFILL[m]]) for m in vlm.MODEL_TYPES], indirect=["reverted"])
+@pytest.mark.parametrize("model_type,reverted", [(m, [PREFILL[m]]) for m in vlm_batching.MODEL_TYPES], indirect=["reverted"])
 def test_stock_rows_inserted_one_by_one_are_wrong_where_measured(model_type, reverted, request):
     """The prefill-positions patch reverted: rows inserted one by one into mlx-vlm's
     ``BatchGenerator`` are wrong on the releases measured wrong (strict xfail), exact elsewhere
@@ -169,18 +173,18 @@ def test_stock_rows_inserted_one_by_one_are_wrong_where_measured(model_type, rev
     _prefill_patched_module(model_type)
     if _installed_mlx_vlm() in STOCK_ROWS_WRONG[model_type]:
         request.applymarker(pytest.mark.xfail(strict=True, reason=f"{PREFILL[model_type]} reverted"))
-    assert vlm.batched_problem(vlm.build(model_type), model_type, vlm.vlm_rows_batched) is None
+    assert vlm_batching.batched_problem(tiny_vlm.build(model_type), model_type, vlm_batching.vlm_rows_batched) is None
 
 
-@pytest.mark.parametrize("model_type", vlm.MODEL_TYPES)
+@pytest.mark.parametrize("model_type", vlm_batching.MODEL_TYPES)
 def test_rows_prefilled_in_chunks_equal_each_prompt_alone(model_type):
     """``prefill_step_size=3``: the 5- and 9-token rows are still in their padding after the first
     chunks (Qwen3.5 clamps those negative offsets at 0 when it builds positions: the patch keeps
     them; on mlx-vlm 0.6.0 - 0.6.4 its row-by-row prefill would crash on those chunks:
     ``mlx-vlm-qwen3-5-padding-only-rows-skipped``)."""
     _prefill_patched_module(model_type)
-    run = lambda model, rows: vlm.vlm_rows_batched(model, rows, prefill_step_size=3)  # noqa: E731
-    assert vlm.batched_problem(vlm.build(model_type), model_type, run) is None
+    run = lambda model, rows: vlm_batching.vlm_rows_batched(model, rows, prefill_step_size=3)  # noqa: E731
+    assert vlm_batching.batched_problem(tiny_vlm.build(model_type), model_type, run) is None
 
 
 WIDENED = "mlx-vlm-qwen3-5-padding-only-rows-skipped"
@@ -192,8 +196,8 @@ def test_stock_padding_only_chunks_crash_where_affected(model_type, reverted):
     """The skip reverted: mlx-vlm 0.6.0 - 0.6.4's Qwen3.5 raises on a chunk that is only
     padding for a row (strict xfail there)."""
     _prefill_patched_module(model_type)
-    run = lambda model, rows: vlm.vlm_rows_batched(model, rows, prefill_step_size=3)  # noqa: E731
-    assert vlm.batched_problem(vlm.build(model_type), model_type, run) is None
+    run = lambda model, rows: vlm_batching.vlm_rows_batched(model, rows, prefill_step_size=3)  # noqa: E731
+    assert vlm_batching.batched_problem(tiny_vlm.build(model_type), model_type, run) is None
 
 
 @pytest.mark.parametrize("prefill_step_size", [None, 16], ids=["unchunked", "chunks-of-16"])
@@ -208,16 +212,16 @@ def test_prefix_cache_snapshots_inside_padding_do_not_crash_a_batch(prefill_step
     import mlx.core as mx
     from mlx_vlm.utils import StoppingCriteria
 
-    from mlx_lm_patches.demos.scenarios import prompt_tokens
+    from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
 
     _skip_unless_driven("qwen3_5")
-    if importlib.util.find_spec("mlx_vlm.apc") is None or not vlm.takes_rows():
+    if importlib.util.find_spec("mlx_vlm.apc") is None or not vlm_api.takes_rows():
         pytest.skip("this mlx-vlm has no prefix cache for its BatchGenerator")
     from mlx_vlm import apc
 
-    model = vlm.build("qwen3_5")
+    model = tiny_vlm.build("qwen3_5")
     language_model = model.language_model
-    generator = vlm._generation_module().BatchGenerator(
+    generator = tiny_vlm.generation_module().BatchGenerator(
         language_model, types.SimpleNamespace(stopping_criteria=StoppingCriteria([], None)), max_tokens=4,
         prefill_batch_size=2, completion_batch_size=2, apc_manager=apc.APCManager(), prefill_step_size=prefill_step_size)
 
@@ -225,7 +229,7 @@ def test_prefix_cache_snapshots_inside_padding_do_not_crash_a_batch(prefill_step
         kwargs = []
         for row in rows:
             language_model._position_ids = language_model._rope_deltas = None
-            kwargs.append(vlm._embeddings(model, mx.array([row])))
+            kwargs.append(tiny_vlm.embeddings(model, mx.array([row])))
         uids = generator.insert(rows, 4, prompt_kwargs=kwargs)
         out = {uid: [] for uid in uids}
         while generator.has_work:
@@ -242,7 +246,7 @@ def test_prefix_cache_snapshots_inside_padding_do_not_crash_a_batch(prefill_step
             generator.close()
     for row, tokens in zip(first + second, got):
         language_model._position_ids = language_model._rope_deltas = None
-        assert tokens == vlm.single(model, row, 4).tokens, len(row)
+        assert tokens == tiny_vlm.single(model, row, 4).tokens, len(row)
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_5", "qwen3_5_moe"])
@@ -255,12 +259,12 @@ def test_an_engine_prefilling_padded_chunks_itself_equals_each_row_alone(model_t
 
     import mlx.core as mx
 
-    from mlx_lm_patches.demos.scenarios import prompt_tokens
+    from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
 
     _skip_unless_driven(model_type)
     _prefill_patched_module(model_type)
     caches = importlib.import_module("mlx_vlm.models.cache")
-    lm = vlm.build(model_type).language_model
+    lm = tiny_vlm.build(model_type).language_model
     rows, last = [prompt_tokens(2, seed=2), prompt_tokens(9, seed=9)], [7, 4]
     want = []
     for row, token in zip(rows, last):
@@ -287,15 +291,15 @@ def test_rows_of_one_or_two_tokens_beside_a_long_one_in_chunks(lengths):
     """Rows whose real tokens start in the last columns (a one-token prompt: only the column the
     generator holds back for its final pass) beside a long one, in chunks of 3: each equals the
     prompt alone (0.6.0 - 0.6.4: padding-only rows skipped chunk after chunk)."""
-    from mlx_lm_patches.demos.scenarios import prompt_tokens
+    from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
 
     _skip_unless_driven("qwen3_5")
     _prefill_patched_module("qwen3_5")
-    model = vlm.build("qwen3_5")
+    model = tiny_vlm.build("qwen3_5")
     rows = [prompt_tokens(n, seed=n) for n in lengths]
-    got = vlm.vlm_rows_batched(model, rows, prefill_step_size=3)
+    got = vlm_batching.vlm_rows_batched(model, rows, prefill_step_size=3)
     for row, decoded in zip(rows, got):
-        reference = vlm.single(model, row)
+        reference = tiny_vlm.single(model, row)
         reference = type(reference)(reference.tokens, [lp.reshape(-1)[t] for lp, t in zip(reference.logprobs, reference.tokens)])
         assert reference.compare(decoded) is None, (len(row), reference.compare(decoded))
 
@@ -306,13 +310,13 @@ def _hands_positions(model):
     import mlx.core as mx
 
     model.language_model._position_ids = model.language_model._rope_deltas = None
-    ids, pixels, grid = vlm.image_rows(model)[0]
+    ids, pixels, grid = image_batches.image_rows(model)[0]
     embedded = model.get_input_embeddings(mx.array([ids]), pixels, image_grid_thw=grid).to_dict()
     model.language_model._position_ids = model.language_model._rope_deltas = None
     return embedded.get("position_ids") is not None
 
 
-@pytest.mark.parametrize("model_type", vlm.MODEL_TYPES)
+@pytest.mark.parametrize("model_type", vlm_batching.MODEL_TYPES)
 def test_image_rows_inserted_one_by_one_are_exact_or_refused(model_type):
     """Two image prompts of different lengths and a text prompt, each inserted with its own
     embeddings into mlx-vlm's ``BatchGenerator`` (as its server inserts requests): each answer
@@ -322,17 +326,17 @@ def test_image_rows_inserted_one_by_one_are_exact_or_refused(model_type):
     from mlx_lm_patches.mechanisms.vlm_positions import BatchedVisionPositions
 
     _prefill_patched_module(model_type)
-    model = vlm.build(model_type, images=True)
+    model = tiny_vlm.build(model_type, images=True)
     handed = _hands_positions(model)
     try:
-        problem = vlm.image_rows_problem(model, model_type)
+        problem = image_batches.image_rows_problem(model, model_type)
     except BatchedVisionPositions as refused:
         assert not handed, f"refused although mlx-vlm hands each row its positions: {refused}"
         return
     assert problem is None
 
 
-@pytest.mark.parametrize("model_type,reverted", [(m, [PREFILL[m]]) for m in vlm.MODEL_TYPES], indirect=["reverted"])
+@pytest.mark.parametrize("model_type,reverted", [(m, [PREFILL[m]]) for m in vlm_batching.MODEL_TYPES], indirect=["reverted"])
 def test_stock_image_rows_are_wrong_where_measured(model_type, reverted, request):
     """The prefill-positions patch reverted: the image rows are answered wrong on mlx-vlm 0.5.0 -
     0.6.4 (measured on 0.5.0, 0.6.0 and 0.6.4: strict xfail), exact from 0.6.5."""
@@ -341,14 +345,14 @@ def test_stock_image_rows_are_wrong_where_measured(model_type, reverted, request
     _prefill_patched_module(model_type)
     if Version(_installed_mlx_vlm()) < Version("0.6.5"):
         request.applymarker(pytest.mark.xfail(strict=True, reason=f"{PREFILL[model_type]} reverted"))
-    assert vlm.image_rows_problem(vlm.build(model_type, images=True), model_type) is None
+    assert image_batches.image_rows_problem(tiny_vlm.build(model_type, images=True), model_type) is None
 
 
 IMAGES_PATCH = "mlx-vlm-right-padded-rows-left-aligned"
 
 
 @pytest.mark.parametrize("padding_side", [None, "left"], ids=["tokenizer-pads-right", "tokenizer-pads-left"])
-@pytest.mark.parametrize("model_type", vlm.MODEL_TYPES)
+@pytest.mark.parametrize("model_type", vlm_batching.MODEL_TYPES)
 def test_batch_generate_with_images_answers_each_prompt_as_alone_or_refuses(model_type, padding_side):
     """The user's call: ``mlx_vlm.batch_generate`` with mlx-vlm's own processor (over a locally
     built tokenizer padding on either side), three prompts with an image (two of one image shape
@@ -358,12 +362,12 @@ def test_batch_generate_with_images_answers_each_prompt_as_alone_or_refuses(mode
     from mlx_lm_patches.mechanisms.vlm_positions import BatchedVisionPositions
 
     _skip_unless_driven(model_type)
-    if not vlm.takes_rows():
+    if not vlm_api.takes_rows():
         pytest.skip("mlx-vlm < 0.5: batch_generate feeds one padded batch (the mlx-vlm path covers it)")
-    model = vlm.build(model_type, images=True)
+    model = tiny_vlm.build(model_type, images=True)
     handed = _hands_positions(model)
     try:
-        problem = vlm.batch_generate_images_problem(model, model_type, padding_side)
+        problem = vlm_batch_generate.batch_generate_images_problem(model, model_type, padding_side)
     except BatchedVisionPositions as refused:
         assert not handed, f"refused although mlx-vlm hands each row its positions: {refused}"
         assert "one at a time" in str(refused)
@@ -372,19 +376,19 @@ def test_batch_generate_with_images_answers_each_prompt_as_alone_or_refuses(mode
 
 
 @pytest.mark.parametrize("model_type,reverted", [
-    pytest.param(m, [IMAGES_PATCH], marks=xfail_if_affected(IMAGES_PATCH)) for m in vlm.MODEL_TYPES],
+    pytest.param(m, [IMAGES_PATCH], marks=xfail_if_affected(IMAGES_PATCH)) for m in vlm_batching.MODEL_TYPES],
     indirect=["reverted"])
 def test_stock_batch_generate_with_right_padded_images_is_wrong_where_affected(model_type, reverted):
     """The fix reverted, a processor padding on the right: wrong where the matrix says this
     mlx-vlm takes the rows' padding to be on the left (strict xfail), exact where it strips the
     padding by the mask (0.7) or the other fixes do (0.6.4 - 0.6.14)."""
     _skip_unless_driven(model_type)
-    if not vlm.takes_rows():
+    if not vlm_api.takes_rows():
         pytest.skip("mlx-vlm < 0.5: batch_generate feeds one padded batch")
-    model = vlm.build(model_type, images=True)
+    model = tiny_vlm.build(model_type, images=True)
     if not _hands_positions(model):
         pytest.skip("this mlx-vlm hands image rows no positions: batches of them are refused")
-    assert vlm.batch_generate_images_problem(model, model_type) is None
+    assert vlm_batch_generate.batch_generate_images_problem(model, model_type) is None
 
 
 def test_batched_prefill_of_image_prompts_without_positions_is_refused():
@@ -401,7 +405,7 @@ def test_batched_prefill_of_image_prompts_without_positions_is_refused():
     if ROWS[PREFILL["qwen3_vl"]].state != "applied":
         pytest.skip(f"{PREFILL['qwen3_vl']} is {ROWS[PREFILL['qwen3_vl']].state} here")
     caches = importlib.import_module("mlx_vlm.models.cache")
-    lm = vlm.build("qwen3_vl").language_model
+    lm = tiny_vlm.build("qwen3_vl").language_model
     assert module.LanguageModel is type(lm)
     tokens = mx.array([[0, 5, 6], [7, lm.config.image_token_id, 9]])
     with pytest.raises(BatchedVisionPositions, match="one at a time"):
@@ -414,15 +418,15 @@ APC = ("mlx-vlm-apc-hybrid-batches-cold", "mlx-vlm-apc-hybrid-hits-refused")
 
 
 def _apc_problem():
-    """:func:`vlm.apc_mixed_prefill_problem` on Qwen3.5 (an error it raises, as text); skips where
+    """:func:`vlm_problems.apc_mixed_prefill_problem` on Qwen3.5 (an error it raises, as text); skips where
     mlx-vlm has no prefix cache for its BatchGenerator."""
     import importlib.util
 
     _skip_unless_driven("qwen3_5")
-    if not vlm.takes_rows() or importlib.util.find_spec("mlx_vlm.apc") is None:
+    if not vlm_api.takes_rows() or importlib.util.find_spec("mlx_vlm.apc") is None:
         pytest.skip("this mlx-vlm has no prefix cache for its BatchGenerator")
     try:
-        return vlm.apc_mixed_prefill_problem("qwen3_5")
+        return vlm_problems.apc_mixed_prefill_problem("qwen3_5")
     except (ValueError, TypeError) as exc:
         return f"raises {type(exc).__name__}: {exc}"
 
@@ -459,7 +463,7 @@ def test_image_positions_at_different_row_offsets_are_refused():
 
     if ROWS[POSITIONS["qwen3_vl"]].state != "applied":
         pytest.skip(f"{POSITIONS['qwen3_vl']} is {ROWS[POSITIONS['qwen3_vl']].state} here")
-    lm = vlm.build("qwen3_vl").language_model
+    lm = tiny_vlm.build("qwen3_vl").language_model
 
     def call(left_padding):
         lm._rope_deltas, lm._position_ids = mx.array([[3], [3]]), None  # as after an image prefill
@@ -482,7 +486,7 @@ def test_mlx_vlm_patches_are_decided_when_mlx_vlm_model_code_is_imported():
         import contextlib, importlib, importlib.util, io, json, mlx_lm, mlx_lm_patches
         from mlx_lm_patches.__main__ import main
         before = {{r.id: r.state for r in mlx_lm_patches.status() if r.package == "mlx-vlm"}}
-        for model_type in {vlm.MODEL_TYPES!r}:
+        for model_type in {vlm_batching.MODEL_TYPES!r}:
             if importlib.util.find_spec("mlx_vlm.models." + model_type):
                 importlib.import_module("mlx_vlm.models." + model_type + ".language")
         after = {{r.id: r.state for r in mlx_lm_patches.status() if r.package == "mlx-vlm"}}

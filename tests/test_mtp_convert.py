@@ -19,9 +19,10 @@ import sys
 
 import pytest
 
-from mlx_lm_patches.demos.mtp_checkpoints import (MTP_MODEL_TYPES, check_loaded, hf_layout_unreadable,
+from mlx_lm_patches.selftest.mtp_checkpoints import (MTP_MODEL_TYPES, check_loaded, hf_layout_unreadable,
                                                   write_mtp_checkpoint)
-from mlx_lm_patches.demos.scenarios import greedy, prompt_tokens, speculative_greedy
+from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
+from mlx_lm_patches.selftest.scenarios import greedy, speculative_greedy
 from support.references import greedy_of
 
 

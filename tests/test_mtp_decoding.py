@@ -11,8 +11,9 @@ import os
 
 import pytest
 
-from mlx_lm_patches.demos.scenarios import LOGPROB_TOLERANCE, Decoded, prompt_tokens, speculative_greedy
-from mlx_lm_patches.demos.mtp_checkpoints import MTP_MODEL_TYPES, write_mtp_checkpoint
+from mlx_lm_patches.mechanisms.probing.decoded import Decoded, LOGPROB_TOLERANCE, prompt_tokens
+from mlx_lm_patches.selftest.scenarios import speculative_greedy
+from mlx_lm_patches.selftest.mtp_checkpoints import MTP_MODEL_TYPES, write_mtp_checkpoint
 from mlx_lm_patches.mechanisms.mtp.families import family_of
 from support.counting import CountingModel
 from support.references import greedy_of

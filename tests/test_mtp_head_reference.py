@@ -10,8 +10,8 @@ import importlib.util
 
 import pytest
 
-from mlx_lm_patches.demos.scenarios import LOGPROB_TOLERANCE, prompt_tokens
-from mlx_lm_patches.demos.mtp_checkpoints import MTP_MODEL_TYPES, write_mtp_checkpoint
+from mlx_lm_patches.mechanisms.probing.decoded import LOGPROB_TOLERANCE, prompt_tokens
+from mlx_lm_patches.selftest.mtp_checkpoints import MTP_MODEL_TYPES, write_mtp_checkpoint
 
 
 FAMILIES = [f for f in MTP_MODEL_TYPES
@@ -33,7 +33,7 @@ def _one_step_model(model, config, head, fused):
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from mlx_lm_patches.demos.tiny_models import _model_classes
+    from mlx_lm_patches.selftest.tiny_models import _model_classes
 
     config = copy.deepcopy(config)
     text = config.get("text_config", config)

@@ -27,10 +27,11 @@ import json
 import pytest
 
 from conftest import run_python, xfail_if_affected
-from mlx_lm_patches.demos.mtp_checkpoints import (DEEPSEEK_LAYOUT, MTP_MODEL_TYPES, check_loaded,
+from mlx_lm_patches.selftest.mtp_checkpoints import (DEEPSEEK_LAYOUT, MTP_MODEL_TYPES, check_loaded,
                                                   hf_layout_unreadable, write_mtp_checkpoint)
-from mlx_lm_patches.demos.scenarios import greedy, prompt_tokens
-from mlx_lm_patches.demos.tiny_models import build_tiny_model
+from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
+from mlx_lm_patches.selftest.scenarios import greedy
+from mlx_lm_patches.selftest.tiny_models import build_tiny_model
 
 
 

@@ -8,7 +8,7 @@ import importlib.util
 
 import pytest
 
-from mlx_lm_patches.demos.mtp_checkpoints import check_loaded, write_mtp_checkpoint
+from mlx_lm_patches.selftest.mtp_checkpoints import check_loaded, write_mtp_checkpoint
 
 
 FAMILIES = [f for f in ("qwen3_next", "qwen3_5", "qwen3_5_moe", "nemotron_h")
@@ -70,8 +70,8 @@ def test_incomplete_head_is_not_attached_and_the_status_names_what_is_missing(tm
 
 
 def test_checkpoint_without_mtp(tmp_path):
-    from mlx_lm_patches.demos.model_folder import write_model_folder
-    from mlx_lm_patches.demos.tiny_models import build_tiny_model, tiny_config
+    from mlx_lm_patches.selftest.model_folder import write_model_folder
+    from mlx_lm_patches.selftest.tiny_models import build_tiny_model, tiny_config
 
     folder = write_model_folder(tmp_path / "plain", build_tiny_model("qwen3_next"), tiny_config("qwen3_next"))
     model = _load(folder)
@@ -88,8 +88,8 @@ def test_families_without_a_published_head_say_why(tmp_path, family, why):
 
     import mlx.core as mx
 
-    from mlx_lm_patches.demos.model_folder import write_model_folder
-    from mlx_lm_patches.demos.tiny_models import build_tiny_model, tiny_config
+    from mlx_lm_patches.selftest.model_folder import write_model_folder
+    from mlx_lm_patches.selftest.tiny_models import build_tiny_model, tiny_config
 
     if importlib.util.find_spec(f"mlx_lm.models.{family}") is None:
         pytest.skip(f"this mlx-lm has no {family}")
@@ -108,8 +108,8 @@ def test_families_without_a_published_head_say_why(tmp_path, family, why):
 def test_other_families_say_their_head_is_not_kept(tmp_path):
     """A family whose MTP head is not kept (here llama declaring a DeepSeek-style MTP layer):
     the model loads as stock mlx-lm loads it and the status says the head is not kept."""
-    from mlx_lm_patches.demos.model_folder import write_model_folder
-    from mlx_lm_patches.demos.tiny_models import build_tiny_model, tiny_config
+    from mlx_lm_patches.selftest.model_folder import write_model_folder
+    from mlx_lm_patches.selftest.tiny_models import build_tiny_model, tiny_config
 
     folder = write_model_folder(tmp_path / "llama", build_tiny_model("llama"),
                                 dict(tiny_config("llama"), num_nextn_predict_layers=1))
@@ -134,7 +134,7 @@ def test_nemotron_h_head_follows_its_block_pattern(tmp_path):
     """Nemotron 3 Super's MTP blocks: attention (fusion in front), then MoE (final norm behind);
     MLP instead of MoE where this mlx-lm has no MoE block. The pattern comes from the config
     (``mtp_hybrid_override_pattern``, or ``mtp_layers_block_type``), else from the tensors."""
-    from mlx_lm_patches.demos.mtp_checkpoints import nemotron_mtp_pattern
+    from mlx_lm_patches.selftest.mtp_checkpoints import nemotron_mtp_pattern
 
     pattern = nemotron_mtp_pattern()
     written = write_mtp_checkpoint(tmp_path, "nemotron_h", name="pattern")
@@ -150,7 +150,7 @@ def test_nemotron_h_head_follows_its_block_pattern(tmp_path):
 
 
 def test_nemotron_h_head_this_release_cannot_build_says_why(tmp_path):
-    from mlx_lm_patches.demos.mtp_checkpoints import nemotron_mtp_pattern
+    from mlx_lm_patches.selftest.mtp_checkpoints import nemotron_mtp_pattern
 
     written = write_mtp_checkpoint(tmp_path, "nemotron_h", name="mamba-head")
     _rewrite_config(written.folder, mtp_hybrid_override_pattern="*M")

@@ -9,8 +9,9 @@ import importlib.util
 
 import pytest
 
-from mlx_lm_patches.demos.scenarios import greedy, prompt_tokens, speculative_greedy
-from mlx_lm_patches.demos.mtp_checkpoints import check_loaded, write_mtp_checkpoint
+from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
+from mlx_lm_patches.selftest.scenarios import greedy, speculative_greedy
+from mlx_lm_patches.selftest.mtp_checkpoints import check_loaded, write_mtp_checkpoint
 from test_mtp_load import FORMS
 
 
@@ -80,7 +81,7 @@ def _sharding(family):
     """Why ``sharded_load`` cannot run for ``family`` on this release, or None."""
     import mlx_lm.utils
 
-    from mlx_lm_patches.demos.tiny_models import build_tiny_model
+    from mlx_lm_patches.selftest.tiny_models import build_tiny_model
 
     if not hasattr(mlx_lm.utils, "sharded_load"):
         return "this mlx-lm has no sharded_load"

@@ -11,8 +11,9 @@ import json
 import pytest
 
 from mlx_lm_patches.mechanisms.mtp.families import family_of
-from mlx_lm_patches.demos.scenarios import Decoded, greedy, prompt_tokens, speculative_greedy
-from mlx_lm_patches.demos.mtp_checkpoints import check_loaded, write_mtp_checkpoint
+from mlx_lm_patches.mechanisms.probing.decoded import Decoded, prompt_tokens
+from mlx_lm_patches.selftest.scenarios import greedy, speculative_greedy
+from mlx_lm_patches.selftest.mtp_checkpoints import check_loaded, write_mtp_checkpoint
 
 
 

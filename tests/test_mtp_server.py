@@ -16,7 +16,7 @@ import urllib.request
 import pytest
 
 from conftest import clean_env
-from mlx_lm_patches.demos.mtp_checkpoints import write_mtp_checkpoint
+from mlx_lm_patches.selftest.mtp_checkpoints import write_mtp_checkpoint
 
 pytestmark = [pytest.mark.subprocess, pytest.mark.release_only]
 

@@ -44,10 +44,11 @@ import traceback
 import pytest
 
 import mlx_lm_patches
-from mlx_lm_patches.demos.scenarios import batching_situations
+from mlx_lm_patches.selftest.scenarios import batching_situations
 from conftest import xfail_if_affected
-from mlx_lm_patches.demos import tiny_models
-from mlx_lm_patches.demos import tiny_rope_models
+from mlx_lm_patches.mechanisms.probing.random_weights import randomize_parameters
+from mlx_lm_patches.selftest import tiny_models
+from mlx_lm_patches.selftest import tiny_rope_models
 
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -371,7 +372,7 @@ def _build(model_type, config, seed=1):
     model_cls, args_cls = tiny_models._model_classes(config, model_type)
     mx.random.seed(seed)
     model = model_cls(args_cls.from_dict(config))
-    tiny_models._randomize_parameters(model, model_type, seed, mx.float32)
+    randomize_parameters(model, model_type, seed, mx.float32)
     mx.eval(model.parameters())
     model.eval()
     return model
@@ -388,7 +389,7 @@ def _crash_site(exc):
 
 def _run_situations(model, model_type):
     """batching_situations re-raised: None if exact, a string if inexact, raises on a crash."""
-    from mlx_lm_patches.demos import scenarios
+    from mlx_lm_patches.selftest import scenarios
 
     captured = {}
     original = scenarios.batched_greedy

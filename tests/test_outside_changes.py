@@ -59,7 +59,7 @@ MTP = """
 import tempfile, weakref
 import mlx_lm_patches
 from mlx_lm_patches.engine import core
-from mlx_lm_patches.demos.mtp_checkpoints import write_mtp_checkpoint
+from mlx_lm_patches.selftest.mtp_checkpoints import write_mtp_checkpoint
 from mlx_lm_patches.mechanisms.mtp.decoding import CAPTURE, INTERFACE
 
 mlx_lm_patches.apply(["mtp-heads-kept", "mtp-draft-selection"])

@@ -13,15 +13,9 @@ prompts are not evicted, kept states are bounded and counted in ``nbytes``.
 import pytest
 
 from mlx_lm_patches.mechanisms import prefix_reuse as pc
-from mlx_lm_patches.demos.scenarios import (
-    _batched_one,
-    _single_one,
-    greedy,
-    lru_prompt_cache_class,
-    prefix_reuse,
-    prompt_tokens,
-)
-from mlx_lm_patches.demos.tiny_models import DENSE_MODEL_TYPE, available_model_types, build_tiny_model
+from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
+from mlx_lm_patches.selftest.scenarios import _batched_one, _single_one, greedy, lru_prompt_cache_class, prefix_reuse
+from mlx_lm_patches.selftest.tiny_models import DENSE_MODEL_TYPE, available_model_types, build_tiny_model
 
 
 HYBRIDS = available_model_types()
@@ -179,7 +173,7 @@ def test_shorter_stored_prompts_are_not_evicted(store_class):
     system entry stays (a trimmable cache would have it deleted as redundant)."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlx_lm_patches.demos.scenarios import prefill
+    from mlx_lm_patches.selftest.scenarios import prefill
 
     model = build_tiny_model("qwen3_next", seed=1)
     store = store_class()
@@ -275,8 +269,9 @@ def test_what_keeps_states_and_where():
         mlx_lm_patches.apply()
         from mlx_lm.models.cache import make_prompt_cache
         from mlx_lm_patches.mechanisms import prefix_reuse as pc
-        from mlx_lm_patches.demos.scenarios import _batched_one, greedy, lru_prompt_cache_class, prompt_tokens
-        from mlx_lm_patches.demos.tiny_models import build_tiny_model
+        from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
+        from mlx_lm_patches.selftest.scenarios import _batched_one, greedy, lru_prompt_cache_class
+        from mlx_lm_patches.selftest.tiny_models import build_tiny_model
         model = build_tiny_model("qwen3_next", seed=1)
         def kept():
             cache = make_prompt_cache(model)

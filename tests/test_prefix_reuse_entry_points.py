@@ -18,10 +18,9 @@ Patches off: the diverging request reuses nothing (strict xfail where the matrix
 import pytest
 
 from conftest import reverted, xfail_if_affected
-from mlx_lm_patches.demos.scenarios import (
-    engine_greedy, engine_prefill, engine_prefix_reuse, greedy, lru_prompt_cache_class, prompt_tokens,
-    speculative_greedy)
-from mlx_lm_patches.demos.tiny_models import DENSE_MODEL_TYPE, available_model_types, build_tiny_model
+from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
+from mlx_lm_patches.selftest.scenarios import engine_greedy, engine_prefill, engine_prefix_reuse, greedy, lru_prompt_cache_class, speculative_greedy
+from mlx_lm_patches.selftest.tiny_models import DENSE_MODEL_TYPE, available_model_types, build_tiny_model
 
 
 HYBRIDS = available_model_types()

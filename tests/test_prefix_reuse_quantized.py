@@ -18,9 +18,9 @@ import pytest
 
 from conftest import clean_env
 from support.chat_reference import chat_prompt
-from mlx_lm_patches.demos.model_folder import write_model_folder
+from mlx_lm_patches.selftest.model_folder import write_model_folder
 from support.server import serve, server_flags
-from mlx_lm_patches.demos.tiny_models import build_tiny_model, tiny_config
+from mlx_lm_patches.selftest.tiny_models import build_tiny_model, tiny_config
 
 
 MODEL = "qwen3_next"
@@ -77,7 +77,8 @@ def _in_process(store_tokens=64, tail=16):
     from mlx_lm.generate import generate_step
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlx_lm_patches.demos.scenarios import lru_prompt_cache_class, prompt_tokens
+    from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
+    from mlx_lm_patches.selftest.scenarios import lru_prompt_cache_class
 
     model = build_tiny_model(MODEL, seed=1, overrides=SIZES)
 

@@ -15,8 +15,9 @@ import json
 
 import pytest
 
-from mlx_lm_patches.demos.scenarios import greedy, prompt_tokens, speculative_greedy
-from mlx_lm_patches.demos.tiny_models import available_model_types, build_tiny_model
+from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
+from mlx_lm_patches.selftest.scenarios import greedy, speculative_greedy
+from mlx_lm_patches.selftest.tiny_models import available_model_types, build_tiny_model
 from mlx_lm_patches.patches.prompt_cache_file_draft import TOKENS_KEY
 
 
@@ -73,7 +74,7 @@ def test_the_draft_cache_holds_the_files_tokens(tmp_path, monkeypatch):
 
 def test_mtp_draft_on_a_prompt_cache_file(tmp_path):
     from mlx_lm import load
-    from mlx_lm_patches.demos.mtp_checkpoints import write_mtp_checkpoint
+    from mlx_lm_patches.selftest.mtp_checkpoints import write_mtp_checkpoint
 
     model, _ = load(str(write_mtp_checkpoint(tmp_path, "qwen3_next", dtype="float32").folder))
     path = tmp_path / "system.safetensors"

@@ -16,8 +16,8 @@ import pytest
 
 import mlx_lm_patches
 from mlx_lm_patches.mechanisms import rope_rows
-from mlx_lm_patches.demos import tiny_models
-from mlx_lm_patches.demos import tiny_rope_models
+from mlx_lm_patches.selftest import tiny_models
+from mlx_lm_patches.selftest import tiny_rope_models
 
 ROWS = {row.id: row for row in mlx_lm_patches.apply()}
 

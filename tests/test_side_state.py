@@ -17,8 +17,9 @@ import pytest
 import mlx_lm_patches
 from conftest import reverted
 from mlx_lm_patches.engine import core
-from mlx_lm_patches.demos.scenarios import lru_prompt_cache_class, prompt_tokens
-from mlx_lm_patches.demos.tiny_models import available_model_types, build_tiny_model
+from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
+from mlx_lm_patches.selftest.scenarios import lru_prompt_cache_class
+from mlx_lm_patches.selftest.tiny_models import available_model_types, build_tiny_model
 
 PACKAGE = pathlib.Path(mlx_lm_patches.__file__).parent
 PATCH = "prompt-cache-prefix-reuse"

@@ -9,8 +9,9 @@ recurrent state on trim (mlx-lm PR #1254) is wrong, and a cache never claims a t
 import pytest
 
 import mlx_lm_patches
-from mlx_lm_patches.demos.scenarios import greedy, prompt_tokens, speculative_greedy
-from mlx_lm_patches.demos.tiny_models import DENSE_MODEL_TYPE, available_model_types, build_tiny_model
+from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
+from mlx_lm_patches.selftest.scenarios import greedy, speculative_greedy
+from mlx_lm_patches.selftest.tiny_models import DENSE_MODEL_TYPE, available_model_types, build_tiny_model
 from support.counting import CountingModel
 from support.references import tiny_greedy
 
@@ -289,7 +290,7 @@ def test_speculation_past_a_sliding_window_equals_greedy(model_type, draft_kind)
     window wrapped; it restores the window's keys as they were and replays, exactly."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlx_lm_patches.demos.tiny_models import _module_exists
+    from mlx_lm_patches.selftest.tiny_models import _module_exists
 
     if not _module_exists(model_type):
         pytest.skip(f"no {model_type} in this mlx-lm")

@@ -17,8 +17,9 @@ the full ``num_draft_tokens`` run with it off (``_fixed_rounds``); one runs as u
 
 import pytest
 
-from mlx_lm_patches.demos.scenarios import greedy, prompt_tokens, speculative_greedy
-from mlx_lm_patches.demos.tiny_models import DENSE_MODEL_TYPE, build_tiny_model
+from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
+from mlx_lm_patches.selftest.scenarios import greedy, speculative_greedy
+from mlx_lm_patches.selftest.tiny_models import DENSE_MODEL_TYPE, build_tiny_model
 
 
 HYBRID = "qwen3_next"  # in every supported release
@@ -61,7 +62,7 @@ def test_dense_main_hybrid_draft_beyond_the_default_budget(monkeypatch):
     import mlx.core as mx
     from mlx_lm.generate import speculative_generate_step
 
-    from mlx_lm_patches.demos.scenarios import Decoded
+    from mlx_lm_patches.mechanisms.probing.decoded import Decoded
 
     _fixed_rounds(monkeypatch)
     model = build_tiny_model(DENSE_MODEL_TYPE, seed=1)
@@ -207,8 +208,8 @@ PROMPT = "the quick brown fox jumps over"
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    from mlx_lm_patches.demos.model_folder import write_model_folder
-    from mlx_lm_patches.demos.tiny_models import tiny_config
+    from mlx_lm_patches.selftest.model_folder import write_model_folder
+    from mlx_lm_patches.selftest.tiny_models import tiny_config
 
     root = tmp_path_factory.mktemp("budget")
     return {name: write_model_folder(root / name, build_tiny_model(model_type, seed=seed), tiny_config(model_type))
@@ -244,7 +245,7 @@ def test_mtp_draft_of_a_hybrid_over_budget_is_capped(tmp_path, monkeypatch, capl
 
     from mlx_lm import load
 
-    from mlx_lm_patches.demos.mtp_checkpoints import write_mtp_checkpoint
+    from mlx_lm_patches.selftest.mtp_checkpoints import write_mtp_checkpoint
 
     model, _ = load(str(write_mtp_checkpoint(tmp_path, HYBRID, dtype="float32").folder))
     prompt = prompt_tokens(17, seed=4)

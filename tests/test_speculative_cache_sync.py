@@ -16,8 +16,9 @@ import pytest
 
 import mlx_lm_patches
 from conftest import run_python, xfail_if_affected
-from mlx_lm_patches.demos.scenarios import continue_after_speculation, prompt_tokens
-from mlx_lm_patches.demos.tiny_models import DENSE_MODEL_TYPE, available_model_types, build_tiny_model
+from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
+from mlx_lm_patches.selftest.scenarios import continue_after_speculation
+from mlx_lm_patches.selftest.tiny_models import DENSE_MODEL_TYPE, available_model_types, build_tiny_model
 
 
 PATCH = "speculative-cache-sync"
@@ -99,7 +100,7 @@ def test_extra_tokens_are_trimmed_exactly():
 
     from mlx_lm_patches.mechanisms.cache_sync import CachePart
     from mlx_lm_patches.mechanisms.journal import Journal
-    from mlx_lm_patches.demos.scenarios import greedy
+    from mlx_lm_patches.selftest.scenarios import greedy
 
     tokens = prompt_tokens(12, seed=4)
     for model_type in [t for t in (DENSE_MODEL_TYPE, "qwen3_next") if t in TYPES]:
@@ -161,8 +162,8 @@ def test_mtp_draft_conversation(tmp_path):
     from mlx_lm.generate import speculative_generate_step
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlx_lm_patches.demos.scenarios import greedy
-    from mlx_lm_patches.demos.mtp_checkpoints import write_mtp_checkpoint
+    from mlx_lm_patches.selftest.scenarios import greedy
+    from mlx_lm_patches.selftest.mtp_checkpoints import write_mtp_checkpoint
 
     family = next((f for f in ("qwen3_next", "qwen3_5") if importlib.util.find_spec(f"mlx_lm.models.{f}")), None)
     if family is None:
@@ -198,8 +199,8 @@ def test_mtp_draft_conversation(tmp_path):
 _IN_A_FRESH_INTERPRETER = """
     import json
     import mlx_lm_patches
-    from mlx_lm_patches.demos.scenarios import continue_after_speculation
-    from mlx_lm_patches.demos.tiny_models import build_tiny_model
+    from mlx_lm_patches.selftest.scenarios import continue_after_speculation
+    from mlx_lm_patches.selftest.tiny_models import build_tiny_model
 
     def run(pairs, endings):
         out = {}

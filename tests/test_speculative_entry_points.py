@@ -6,8 +6,8 @@ as its own draft (every draft token accepted)."""
 
 import pytest
 
-from mlx_lm_patches.demos.model_folder import write_model_folder
-from mlx_lm_patches.demos.tiny_models import DENSE_MODEL_TYPE, build_tiny_model, tiny_config
+from mlx_lm_patches.selftest.model_folder import write_model_folder
+from mlx_lm_patches.selftest.tiny_models import DENSE_MODEL_TYPE, build_tiny_model, tiny_config
 
 
 

@@ -15,8 +15,9 @@ import pytest
 
 import mlx_lm_patches
 from conftest import xfail_if_affected
-from mlx_lm_patches.demos.scenarios import greedy, prompt_tokens, speculative_greedy
-from mlx_lm_patches.demos.tiny_models import build_tiny_model
+from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
+from mlx_lm_patches.selftest.scenarios import greedy, speculative_greedy
+from mlx_lm_patches.selftest.tiny_models import build_tiny_model
 from support.kv_window import hybrids_with_plain_attention, specified_caches
 
 
@@ -86,8 +87,8 @@ def _stream(model, tokenizer, prompt, **kwargs):
 
 def test_stream_generate_with_a_draft_equals_it_without(tmp_path):
     from mlx_lm import load
-    from mlx_lm_patches.demos.model_folder import write_model_folder
-    from mlx_lm_patches.demos.tiny_models import tiny_config
+    from mlx_lm_patches.selftest.model_folder import write_model_folder
+    from mlx_lm_patches.selftest.tiny_models import tiny_config
 
     main_type = "nemotron_h" if "nemotron_h" in FAMILIES else DENSE
     model, tokenizer = load(str(write_model_folder(tmp_path / "m", build_tiny_model(main_type, seed=1),
@@ -106,8 +107,8 @@ def test_stream_generate_keeps_max_kv_size_with_a_draft(tmp_path):
     --max-kv-size W --draft-model D`` runs) equals ``stream_generate(..., max_kv_size=W)``,
     which past the window differs from unbounded decoding (stock drops W with a draft)."""
     from mlx_lm import load
-    from mlx_lm_patches.demos.model_folder import write_model_folder
-    from mlx_lm_patches.demos.tiny_models import tiny_config
+    from mlx_lm_patches.selftest.model_folder import write_model_folder
+    from mlx_lm_patches.selftest.tiny_models import tiny_config
 
     main_type = "qwen3_next" if "qwen3_next" in FAMILIES else DENSE
     model, tokenizer = load(str(write_model_folder(tmp_path / "m", build_tiny_model(main_type, seed=1),

@@ -25,9 +25,10 @@ pytest.importorskip("vllm_mlx")
 
 import mlx_lm_patches  # noqa: E402
 from conftest import clean_env, run_python, xfail_if_affected  # noqa: E402
-from mlx_lm_patches.demos import tiny_vllm_mlx  # noqa: E402
-from mlx_lm_patches.demos.scenarios import prompt_tokens  # noqa: E402
-from mlx_lm_patches.demos.tiny_models import HYBRID_MODEL_TYPES  # noqa: E402
+from mlx_lm_patches.selftest import vllm_mlx_engine  # noqa: E402
+from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens  # noqa: E402
+from mlx_lm_patches.selftest.tiny_models import HYBRID_MODEL_TYPES  # noqa: E402
+from support import image_batches  # noqa: E402
 
 PROMPT_LENGTHS = (3, 17, 40, 9, 25, 5)
 MAX_TOKENS = 10
@@ -53,8 +54,8 @@ class Folder:
     def __init__(self, root, model_type):
         from mlx_lm import load
 
-        from mlx_lm_patches.demos.model_folder import write_model_folder
-        from mlx_lm_patches.demos.tiny_models import build_tiny_model, tiny_config
+        from mlx_lm_patches.selftest.model_folder import write_model_folder
+        from mlx_lm_patches.selftest.tiny_models import build_tiny_model, tiny_config
 
         self.model_type = model_type
         # the path must not contain "qwen3": vllm-mlx then makes <|im_end|> the eos token
@@ -79,8 +80,8 @@ def folder(request, tmp_path_factory):
 
 def _engine_answers(path, prompts, **engine_options):
     """Every prompt (token ids) sent at once to a started ``BatchedEngine(path,
-    **engine_options)``; its outputs (``tiny_vllm_mlx.engine_answers``)."""
-    return tiny_vllm_mlx.engine_answers(path, [(list(p), None) for p in prompts], MAX_TOKENS, **engine_options)[0]
+    **engine_options)``; its outputs (``vllm_mlx_engine.engine_answers``)."""
+    return vllm_mlx_engine.engine_answers(path, [(list(p), None) for p in prompts], MAX_TOKENS, **engine_options)[0]
 
 
 def _problem(folder, prompts, answers):
@@ -182,7 +183,7 @@ def test_enable_mtp_answers_equal_greedy(family, tmp_path_factory):
     from mlx_lm import load
     from vllm_mlx.scheduler import SchedulerConfig
 
-    from mlx_lm_patches.demos.mtp_checkpoints import write_mtp_checkpoint
+    from mlx_lm_patches.selftest.mtp_checkpoints import write_mtp_checkpoint
     from support.chat_reference import token_reference
 
     written = write_mtp_checkpoint(tmp_path_factory.mktemp("mtp"), family, placement="model-mtp",
@@ -207,9 +208,9 @@ def test_vision_engine_enable_mtp_answers_equal_greedy(tmp_path):
     three image requests and a text request sent at once give each request's greedy tokens
     alone through mlx-vlm's ``generate_step``, and the head drafts (every draft is verified and,
     the head's weights being random, rolled back)."""
-    if not tiny_vllm_mlx.available("qwen3_5"):
+    if not vllm_mlx_engine.available("qwen3_5"):
         pytest.skip("mlx-vlm's qwen3_5 or vllm-mlx's vision engine is not installed")
-    problem, stats = tiny_vllm_mlx.enable_mtp_problem(str(tmp_path))
+    problem, stats = vllm_mlx_engine.enable_mtp_problem(str(tmp_path))
     assert problem is None
     assert stats.get("attempted", 0) > 0 and stats.get("errors") == 0, stats
 
@@ -222,8 +223,8 @@ def test_stock_vision_engine_enable_mtp_is_wrong_where_affected(pid, tmp_path):
     vllm-mlx is affected."""
     ran = run_python(f"""
         import json
-        from mlx_lm_patches.demos import tiny_vllm_mlx
-        print(json.dumps(tiny_vllm_mlx.enable_mtp_problem({str(tmp_path)!r})[0]))
+        from mlx_lm_patches.selftest import vllm_mlx_engine
+        print(json.dumps(vllm_mlx_engine.enable_mtp_problem({str(tmp_path)!r})[0]))
     """, env={"MLX_LM_PATCHES_DISABLE": pid}, timeout=600)
     assert ran.returncode == 0, ran.stderr[-3000:]
     assert json.loads(ran.stdout.strip().splitlines()[-1]) is None
@@ -235,22 +236,22 @@ VISION_PATCH = "vllm-mlx-qwen3-5-attention-kept"
 
 
 def tiny_vlm_model_types():
-    from mlx_lm_patches.demos import tiny_vlm_models
+    from mlx_lm_patches.selftest.vlm.batching import MODEL_TYPES
 
-    return tiny_vlm_models.MODEL_TYPES
+    return MODEL_TYPES
 
 
-@pytest.mark.parametrize("model_type", tiny_vllm_mlx.MODEL_TYPES)
+@pytest.mark.parametrize("model_type", vllm_mlx_engine.MODEL_TYPES)
 def test_vision_engine_text_requests_equal_each_alone(model_type):
     """vllm-mlx's ``MLLMBatchGenerator`` (what it serves vision-language checkpoints with) on a
     tiny mlx-vlm model: text requests of 3, 17 and 9 tokens sent at once give each request's
     greedy tokens and log-probabilities (within 1e-4) of the prompt alone through mlx-vlm's
     ``generate_step``."""
-    from mlx_lm_patches.demos import tiny_vlm_models
+    from mlx_lm_patches.mechanisms.probing import tiny_vlm
 
-    if not tiny_vllm_mlx.available(model_type):
+    if not vllm_mlx_engine.available(model_type):
         pytest.skip(f"mlx-vlm's {model_type} or vllm-mlx's vision engine is not installed")
-    assert tiny_vllm_mlx.batched_problem(tiny_vlm_models.build(model_type), model_type) is None
+    assert vllm_mlx_engine.batched_problem(tiny_vlm.build(model_type), model_type) is None
 
 
 @pytest.mark.parametrize("model_type", tiny_vlm_model_types())
@@ -260,12 +261,12 @@ def test_vision_engine_image_requests_equal_each_alone(model_type):
     sends them; prompts of different lengths) and a text request sent at once: each request's
     greedy tokens and log-probabilities (within 1e-4) equal its prompt and image alone through
     mlx-vlm's ``generate_step``."""
-    from mlx_lm_patches.demos import tiny_vlm_models
+    from mlx_lm_patches.mechanisms.probing import tiny_vlm
 
-    if not tiny_vllm_mlx.available(model_type):
+    if not vllm_mlx_engine.available(model_type):
         pytest.skip(f"mlx-vlm's {model_type} or vllm-mlx's vision engine is not installed")
-    model = tiny_vlm_models.build(model_type, images=True)
-    assert tiny_vllm_mlx.image_requests_problem(model, model_type) is None
+    model = tiny_vlm.build(model_type, images=True)
+    assert image_batches.image_requests_problem(model, model_type) is None
 
 
 @pytest.mark.subprocess
@@ -276,8 +277,9 @@ def test_stock_vision_engine_is_wrong_where_affected(pid):
     says the installed vllm-mlx is affected."""
     ran = run_python("""
         import json
-        from mlx_lm_patches.demos import tiny_vlm_models, tiny_vllm_mlx
-        print(json.dumps(tiny_vllm_mlx.batched_problem(tiny_vlm_models.build("qwen3_5"), "qwen3_5")))
+        from mlx_lm_patches.mechanisms.probing import tiny_vlm
+        from mlx_lm_patches.selftest import vllm_mlx_engine
+        print(json.dumps(vllm_mlx_engine.batched_problem(tiny_vlm.build("qwen3_5"), "qwen3_5")))
     """, env={"MLX_LM_PATCHES_DISABLE": pid}, timeout=600)
     assert ran.returncode == 0, ran.stderr[-3000:]
     assert json.loads(ran.stdout.strip().splitlines()[-1]) is None
@@ -291,10 +293,12 @@ def test_stock_vision_engine_image_requests_are_wrong_where_affected(pid):
     vllm-mlx is affected."""
     ran = run_python("""
         import json
-        from mlx_lm_patches.demos import tiny_vlm_models, tiny_vllm_mlx
-        model = tiny_vlm_models.build("qwen3_5", images=True)
-        print(json.dumps(tiny_vllm_mlx.image_requests_problem(model, "qwen3_5")))
-    """, env={"MLX_LM_PATCHES_DISABLE": pid}, timeout=600)
+        from mlx_lm_patches.mechanisms.probing import tiny_vlm
+        from mlx_lm_patches.selftest import vllm_mlx_engine
+        from support.image_batches import image_requests_problem
+        model = tiny_vlm.build("qwen3_5", images=True)
+        print(json.dumps(image_requests_problem(model, "qwen3_5")))
+    """, env={"MLX_LM_PATCHES_DISABLE": pid, "PYTHONPATH": TESTS}, timeout=600)
     assert ran.returncode == 0, ran.stderr[-3000:]
     assert json.loads(ran.stdout.strip().splitlines()[-1]) is None
 
@@ -305,7 +309,7 @@ IMAGE_CHAT_ROUNDS = 3  # the chats are sent at once this many times: whether the
 
 
 def _image_chats_served(folder, env):
-    """:func:`tiny_vllm_mlx.image_requests` as OpenAI chats (images as base64 data URLs) sent
+    """:func:`vllm_mlx_engine.image_requests` as OpenAI chats (images as base64 data URLs) sent
     concurrently by the ``openai`` client to ``python -m vllm_mlx.server --continuous-batching``
     serving ``folder``, :data:`IMAGE_CHAT_ROUNDS` times; the answers of each round, in order,
     and the server's log tail."""
@@ -314,10 +318,10 @@ def _image_chats_served(folder, env):
     def chat(text, images):
         if not images:
             return [{"role": "user", "content": text}]
-        parts = [{"type": "image_url", "image_url": {"url": tiny_vllm_mlx.image_data_url(i)}} for i in images]
+        parts = [{"type": "image_url", "image_url": {"url": vllm_mlx_engine.image_data_url(i)}} for i in images]
         return [{"role": "user", "content": parts + [{"type": "text", "text": text}]}]
 
-    items = tiny_vllm_mlx.image_requests()
+    items = vllm_mlx_engine.image_requests()
     with serve(folder, "--continuous-batching", "--max-tokens", str(IMAGE_CHAT_TOKENS), env=env,
                entry=("-m", "vllm_mlx.server")) as server:
         client = server.client()
@@ -344,13 +348,14 @@ def _image_chats_problem(model_type, root, env):
     from mlx_vlm.prompt_utils import apply_chat_template
     from vllm_mlx.api.utils import clean_output_text
 
-    from mlx_lm_patches.demos import tiny_vlm_models
+    from mlx_lm_patches.mechanisms.probing import tiny_vlm
+    from mlx_lm_patches.selftest.vlm.batch_generate import vision_processor
 
     generation = importlib.import_module("mlx_vlm.generate")
-    folder, model = tiny_vlm_models.write_model_folder(os.path.join(root, "model"), model_type)
-    processor = tiny_vlm_models.vision_processor(model_type)
+    folder, model = tiny_vlm.write_model_folder(os.path.join(root, "model"), model_type)
+    processor = vision_processor(model_type)
     want = []
-    for text, images in tiny_vllm_mlx.image_requests():
+    for text, images in vllm_mlx_engine.image_requests():
         model.language_model._position_ids = model.language_model._rope_deltas = None
         formatted = apply_chat_template(processor, model.config, text, num_images=len(images or ()))
         want.append(clean_output_text(generation.generate(model, processor, formatted, image=images,
@@ -370,7 +375,7 @@ def test_server_image_chats_equal_each_alone(model_type, tmp_path):
     folder (mlx-vlm layout, its own processor over a locally built tokenizer), three chats with
     an image each (different lengths) and a text chat sent concurrently by the ``openai``
     client: each answer equals ``mlx_vlm.generate`` of its prompt and image alone."""
-    if not tiny_vllm_mlx.available(model_type):
+    if not vllm_mlx_engine.available(model_type):
         pytest.skip(f"mlx-vlm's {model_type} or vllm-mlx's vision engine is not installed")
     assert _image_chats_problem(model_type, str(tmp_path), clean_env(HF_HUB_OFFLINE="1")) is None
 
@@ -380,7 +385,7 @@ def test_server_image_chats_equal_each_alone(model_type, tmp_path):
 def test_stock_server_image_chats_are_wrong_where_affected(pid, tmp_path):
     """The same chats with the server's vllm-mlx patch disabled (``MLX_LM_PATCHES_DISABLE``): a
     strict xfail where the matrix says the installed vllm-mlx is affected."""
-    if not tiny_vllm_mlx.available("qwen3_5"):
+    if not vllm_mlx_engine.available("qwen3_5"):
         pytest.skip("mlx-vlm's qwen3_5 or vllm-mlx's vision engine is not installed")
     env = clean_env(HF_HUB_OFFLINE="1", MLX_LM_PATCHES_DISABLE=pid)
     assert _image_chats_problem("qwen3_5", str(tmp_path), env) is None
@@ -394,9 +399,10 @@ def test_applied_after_vllm_mlx_replaced_the_attention_is_a_clear_error():
     if ROWS[VISION_PATCH].state != "applied":
         pytest.skip(f"{VISION_PATCH} is {ROWS[VISION_PATCH].state} here")
     ran = run_python(f"""
-        from mlx_lm_patches.demos import tiny_vlm_models, tiny_vllm_mlx
+        from mlx_lm_patches.mechanisms.probing import tiny_vlm
+        from mlx_lm_patches.selftest import vllm_mlx_engine
         from vllm_mlx.mllm_batch_generator import MLLMBatchGenerator
-        MLLMBatchGenerator(tiny_vlm_models.build("qwen3_5"), processor=None, enable_vision_cache=False)
+        MLLMBatchGenerator(tiny_vlm.build("qwen3_5"), processor=None, enable_vision_cache=False)
         import mlx_lm_patches
         try:
             mlx_lm_patches.apply(only=[{VISION_PATCH!r}])
@@ -417,8 +423,9 @@ def test_vision_engine_built_before_mlx_lm_is_imported_is_exact():
         import json, sys
         from vllm_mlx.mllm_batch_generator import MLLMBatchGenerator  # noqa: F401
         early = "mlx_lm" in sys.modules
-        from mlx_lm_patches.demos import tiny_vlm_models, tiny_vllm_mlx
-        problem = tiny_vllm_mlx.batched_problem(tiny_vlm_models.build("qwen3_5"), "qwen3_5")
+        from mlx_lm_patches.mechanisms.probing import tiny_vlm
+        from mlx_lm_patches.selftest import vllm_mlx_engine
+        problem = vllm_mlx_engine.batched_problem(tiny_vlm.build("qwen3_5"), "qwen3_5")
         print(json.dumps([early, problem]))
     """, timeout=600)
     assert ran.returncode == 0, ran.stderr[-3000:]

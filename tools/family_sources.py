@@ -23,15 +23,15 @@ WHEELS = Path.home() / ".cache" / "mlx-lm-patches" / "wheels"
 
 
 def _constant(module: str, name: str):
-    """A tuple constant of ``mlx_lm_patches/demos/<module>.py``, read without importing mlx."""
+    """A tuple constant of ``mlx_lm_patches/selftest/<module>.py``, read without importing mlx."""
     import ast
 
-    tree = ast.parse((REPO / "mlx_lm_patches" / "demos" / f"{module}.py").read_text())
+    tree = ast.parse((REPO / "mlx_lm_patches" / "selftest" / f"{module}.py").read_text())
     for node in tree.body:
         targets = [node.target] if isinstance(node, ast.AnnAssign) else getattr(node, "targets", [])
         if any(getattr(t, "id", "") == name for t in targets):
             return tuple(ast.literal_eval(node.value))
-    raise SystemExit(f"{name} not found in demos/{module}.py")
+    raise SystemExit(f"{name} not found in selftest/{module}.py")
 
 
 def swept_model_types():

@@ -235,8 +235,9 @@ def prefill_positions_call(wrapped, instance, args, kwargs):
 
 
 def prefill_positions_patch(module_name: str, model_type: str):
-    """``apply``, ``probe`` and ``scenario`` of a ``mlx-vlm-*-prefill-positions`` patch on the
-    language module ``module_name`` (the tiny ``model_type`` model for probe and scenario)."""
+    """``apply`` and ``probe`` of a ``mlx-vlm-*-prefill-positions`` patch on the language module
+    ``module_name`` (the tiny ``model_type`` model for the probe; the patch's scenario is the
+    self-test kit's ``prefill_positions_scenario``)."""
     import sys
 
     def apply(p):
@@ -246,19 +247,8 @@ def prefill_positions_patch(module_name: str, model_type: str):
         """Evidence that a two-layer language model prefilling two rows (one left-padded) on
         mlx-vlm's empty batch caches without positions, or prefilled with handed positions and
         then decoding, places a row's token elsewhere than the row alone."""
-        from mlx_lm_patches.demos.tiny_vlm_models import prefill_positions_problem
+        from mlx_lm_patches.mechanisms.probing.vlm_problems import prefill_positions_problem
 
         return prefill_positions_problem(sys.modules[module_name], model_type)
 
-    def scenario():
-        """The tiny random-weight model: prompts of 5, 9 and 13 tokens inserted one by one into
-        mlx-vlm's ``BatchGenerator``, and its language model prefilling a padded batch without
-        positions, equal each prompt alone."""
-        import importlib
-
-        from mlx_lm_patches.demos.tiny_vlm_models import available, prefill_positions_scenario
-
-        module = importlib.import_module(module_name) if available(model_type) else None
-        return prefill_positions_scenario(module, model_type)
-
-    return apply, probe, scenario
+    return apply, probe

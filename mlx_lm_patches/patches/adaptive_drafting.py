@@ -315,8 +315,9 @@ def apply(p):
 def scenario():
     """A hybrid main model with a draft never accepted and a schedule forced through k = 2, 0, 1,
     0, 2: equal to greedy decoding; unforced, the loop stops drafting."""
-    from mlx_lm_patches.demos.scenarios import greedy, prompt_tokens, speculative_greedy
-    from mlx_lm_patches.demos.tiny_models import DENSE_MODEL_TYPE, available_model_types, build_tiny_model
+    from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
+    from mlx_lm_patches.selftest.scenarios import greedy, speculative_greedy
+    from mlx_lm_patches.selftest.tiny_models import DENSE_MODEL_TYPE, available_model_types, build_tiny_model
     from mlx_lm_patches.mechanisms.adaptive import forced
 
     main_type = "qwen3_next" if "qwen3_next" in available_model_types() else DENSE_MODEL_TYPE

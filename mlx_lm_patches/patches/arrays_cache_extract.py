@@ -58,8 +58,9 @@ def apply(p):
 def scenario():
     """Batched decoding of hybrid models through BatchGenerator until every sequence finishes,
     each finished sequence's prompt cache then continuing exactly on its own."""
-    from mlx_lm_patches.demos.scenarios import batched_greedy, greedy, prompt_tokens
-    from mlx_lm_patches.demos.tiny_models import available_model_types, build_tiny_model
+    from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
+    from mlx_lm_patches.selftest.scenarios import batched_greedy, greedy
+    from mlx_lm_patches.selftest.tiny_models import available_model_types, build_tiny_model
 
     details = []
     for model_type in [t for t in ("qwen3_next", "nemotron_h", "falcon_h1") if t in available_model_types()]:

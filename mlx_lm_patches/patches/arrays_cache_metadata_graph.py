@@ -100,8 +100,8 @@ def scenario():
     after 150 steps is the size it was after 20."""
     from mlx_lm.generate import BatchGenerator
 
-    from mlx_lm_patches.demos.scenarios import prompt_tokens
-    from mlx_lm_patches.demos.tiny_models import build_tiny_model
+    from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
+    from mlx_lm_patches.selftest.tiny_models import build_tiny_model
 
     if not hasattr(sys.modules[GENERATE], "GenerationBatch"):
         return Outcome.not_applicable(

@@ -103,8 +103,9 @@ def _unsized_caches(model):
 
 def scenario():
     """Code that builds recurrent caches as ``ArraysCache()`` decodes and saves exactly."""
-    from mlx_lm_patches.demos.scenarios import greedy, prompt_tokens, round_trip_prompt_cache
-    from mlx_lm_patches.demos.tiny_models import available_model_types, build_tiny_model
+    from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
+    from mlx_lm_patches.selftest.scenarios import greedy, round_trip_prompt_cache
+    from mlx_lm_patches.selftest.tiny_models import available_model_types, build_tiny_model
 
     try:
         from mlx_lm.models.cache import ArraysCache

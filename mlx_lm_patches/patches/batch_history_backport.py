@@ -130,8 +130,9 @@ def scenario():
     """Prompts continuing from pre-filled prompt caches, batched: equal to single decoding."""
     from mlx_lm.models.cache import ArraysCache
 
-    from mlx_lm_patches.demos.scenarios import batched_greedy, greedy, prompt_tokens, split_prefilled
-    from mlx_lm_patches.demos.tiny_models import available_model_types, build_tiny_model
+    from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
+    from mlx_lm_patches.selftest.scenarios import batched_greedy, greedy, split_prefilled
+    from mlx_lm_patches.selftest.tiny_models import available_model_types, build_tiny_model
 
     if hasattr(ArraysCache, "merge"):
         return Outcome.not_applicable("this mlx-lm batches recurrent history itself (see batch-prefill-per-row)")

@@ -60,8 +60,9 @@ def apply(p):
 
 def scenario():
     """bailing_moe_linear, two prompts of equal length batched: equal to single decoding."""
-    from mlx_lm_patches.demos.scenarios import batched_greedy, greedy, prompt_tokens
-    from mlx_lm_patches.demos.tiny_models import available_model_types, build_tiny_model
+    from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
+    from mlx_lm_patches.selftest.scenarios import batched_greedy, greedy
+    from mlx_lm_patches.selftest.tiny_models import available_model_types, build_tiny_model
 
     if "bailing_moe_linear" not in available_model_types():
         return Outcome.not_applicable("no bailing_moe_linear in this mlx-lm")

@@ -80,8 +80,9 @@ def probe():
 
 def scenario():
     """BatchGenerator with prompts of different lengths equals single-sequence decoding."""
-    from mlx_lm_patches.demos.scenarios import batched_greedy, greedy, prompt_tokens
-    from mlx_lm_patches.demos.tiny_models import available_model_types, build_tiny_model
+    from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
+    from mlx_lm_patches.selftest.scenarios import batched_greedy, greedy
+    from mlx_lm_patches.selftest.tiny_models import available_model_types, build_tiny_model
 
     from mlx_lm.models.cache import ArraysCache
 

@@ -142,8 +142,8 @@ FAMILIES = ("nemotron_h", "jamba", "mamba", "olmo_hybrid")
 def scenario():
     """BatchGenerator with mask-ignoring recurrent families: different lengths, a late insert,
     and pre-filled prompt caches, each equal to single-sequence decoding."""
-    from mlx_lm_patches.demos.scenarios import batching_situations
-    from mlx_lm_patches.demos.tiny_models import available_model_types, build_tiny_model
+    from mlx_lm_patches.selftest.scenarios import batching_situations
+    from mlx_lm_patches.selftest.tiny_models import available_model_types, build_tiny_model
 
     details = []
     for model_type in [t for t in FAMILIES if t in available_model_types()]:

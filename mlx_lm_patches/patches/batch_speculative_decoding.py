@@ -219,8 +219,8 @@ def scenario():
     """Four prompts of different lengths through ``BatchGenerator`` with a draft that agrees on
     most tokens (rows accept different numbers of them), a hybrid and a dense model: every row
     equals greedy decoding alone, in fewer steps than tokens."""
-    from mlx_lm_patches.demos.scenarios import greedy, prompt_tokens
-    from mlx_lm_patches.demos.tiny_models import DENSE_MODEL_TYPE, available_model_types, build_tiny_model, nearby_model
+    from mlx_lm_patches.selftest.scenarios import greedy, prompt_tokens
+    from mlx_lm_patches.selftest.tiny_models import DENSE_MODEL_TYPE, available_model_types, build_tiny_model, nearby_model
     from mlx_lm_patches.mechanisms.adaptive import forced
 
     if not hasattr(sys.modules[GENERATE], "StopSequences"):
@@ -250,7 +250,7 @@ def batched_speculative(model, draft, prompts, max_tokens, num_draft_tokens):
     """``BatchGenerator`` with ``draft_model``: each row's decoding, and the number of steps."""
     import mlx.core as mx
 
-    from mlx_lm_patches.demos.scenarios import Decoded
+    from mlx_lm_patches.mechanisms.probing.decoded import Decoded
 
     generator, problem = sys.modules[GENERATE].BatchGenerator, None
     hook = sys.unraisablehook  # stock's __del__ of a generator whose __init__ raised raises too

@@ -80,8 +80,8 @@ def apply(p):
 
 def scenario():
     """Save, load and continue a prompt cache of every model family that uses CacheList."""
-    from mlx_lm_patches.demos.scenarios import round_trip_families
-    from mlx_lm_patches.demos.tiny_models import available_model_types, build_tiny_model, cache_kinds
+    from mlx_lm_patches.selftest.scenarios import round_trip_families
+    from mlx_lm_patches.selftest.tiny_models import available_model_types, build_tiny_model, cache_kinds
 
     models = [(t, build_tiny_model(t, seed=6)) for t in available_model_types()]
     return round_trip_families([(t, m) for t, m in models if "CacheList" in cache_kinds(m)], seed=6,

@@ -67,9 +67,9 @@ def scenario():
     ids, then ``stream_generate``; the answer equals greedy decoding of the encoded template."""
     import tempfile
 
-    from mlx_lm_patches.demos.scenarios import greedy
-    from mlx_lm_patches.demos.model_folder import write_model_folder
-    from mlx_lm_patches.demos.tiny_models import build_tiny_model, tiny_config
+    from mlx_lm_patches.selftest.scenarios import greedy
+    from mlx_lm_patches.selftest.model_folder import write_model_folder
+    from mlx_lm_patches.selftest.tiny_models import build_tiny_model, tiny_config
 
     from mlx_lm import load
     from mlx_lm.generate import stream_generate

@@ -74,6 +74,6 @@ def apply(p):
 def scenario():
     """llama, qwen3_next and falcon_h1 with ``rope_scaling`` type ``dynamic``, three prompts
     batched with rows on both sides of the NTK threshold."""
-    from mlx_lm_patches.demos.tiny_rope_models import scenario_outcome
+    from mlx_lm_patches.selftest.tiny_rope_models import scenario_outcome
 
     return scenario_outcome(PID, "dynamic-NTK RoPE (rope_scaling type dynamic)")

@@ -74,8 +74,9 @@ def apply(p):
 def scenario():
     """Greedy decoding of a tiny model with ``stream_generate``'s own loop in a worker thread
     (as ``mlx_lm.server`` does), equal to the same decoding in the main thread."""
-    from mlx_lm_patches.demos.scenarios import greedy, prompt_tokens
-    from mlx_lm_patches.demos.tiny_models import DENSE_MODEL_TYPE, build_tiny_model
+    from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
+    from mlx_lm_patches.selftest.scenarios import greedy
+    from mlx_lm_patches.selftest.tiny_models import DENSE_MODEL_TYPE, build_tiny_model
 
     model = build_tiny_model(DENSE_MODEL_TYPE, seed=1)
     prompt = prompt_tokens(9, seed=2)

@@ -83,7 +83,8 @@ def apply(p):
 
 def scenario():
     """gpt_bigcode, three prompts of different lengths batched: equal to single decoding."""
-    from mlx_lm_patches.demos.scenarios import batched_greedy, greedy, prompt_tokens
+    from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
+    from mlx_lm_patches.selftest.scenarios import batched_greedy, greedy
 
     model = _tiny_model()
     prompts = [prompt_tokens(n, seed=n) for n in (5, 9, 13)]

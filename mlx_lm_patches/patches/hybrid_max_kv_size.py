@@ -174,8 +174,9 @@ def scenario():
     the unbounded tokens and log-probabilities."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlx_lm_patches.demos.scenarios import greedy, prompt_tokens
-    from mlx_lm_patches.demos.tiny_models import available_model_types, build_tiny_model
+    from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
+    from mlx_lm_patches.selftest.scenarios import greedy
+    from mlx_lm_patches.selftest.tiny_models import available_model_types, build_tiny_model
 
     window, details = 24, []
     for model_type in [t for t in ("qwen3_next", "nemotron_h", "falcon_h1") if t in available_model_types()]:

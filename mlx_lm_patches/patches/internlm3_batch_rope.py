@@ -66,6 +66,6 @@ def apply(p):
 
 def scenario():
     """internlm3, three prompts batched with rows on both sides of the NTK threshold."""
-    from mlx_lm_patches.demos.tiny_rope_models import scenario_outcome
+    from mlx_lm_patches.selftest.tiny_rope_models import scenario_outcome
 
     return scenario_outcome(PID, "internlm3 dynamic-NTK RoPE")

@@ -141,8 +141,9 @@ def scenario():
     """kimi_linear batched: different lengths, a late insert, pre-filled prompt caches."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlx_lm_patches.demos.scenarios import batching_situations, prefill, prompt_tokens
-    from mlx_lm_patches.demos.tiny_models import available_model_types, build_tiny_model
+    from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
+    from mlx_lm_patches.selftest.scenarios import batching_situations, prefill
+    from mlx_lm_patches.selftest.tiny_models import available_model_types, build_tiny_model
 
     if "kimi_linear" not in available_model_types():
         return Outcome.not_applicable("no kimi_linear in this mlx-lm")

@@ -168,8 +168,9 @@ def _decode_with_mamba_caches(mamba_cache):
     """Greedy decoding with every recurrent cache swapped for a ``MambaCache`` is exact."""
     from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
-    from mlx_lm_patches.demos.scenarios import greedy, prompt_tokens
-    from mlx_lm_patches.demos.tiny_models import available_model_types, build_tiny_model
+    from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
+    from mlx_lm_patches.selftest.scenarios import greedy
+    from mlx_lm_patches.selftest.tiny_models import available_model_types, build_tiny_model
 
     types = [t for t in ("nemotron_h", "qwen3_next", "mamba2") if t in available_model_types()]
     if not types:

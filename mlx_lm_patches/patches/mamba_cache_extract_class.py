@@ -67,8 +67,9 @@ def apply(p):
 def scenario():
     """A mamba prompt decoded by ``BatchGenerator``; decoding continued from the cache it hands
     back for the finished sequence equals greedy decoding of the whole sequence."""
-    from mlx_lm_patches.demos.scenarios import _batched_one, greedy, prompt_tokens
-    from mlx_lm_patches.demos.tiny_models import available_model_types, build_tiny_model
+    from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
+    from mlx_lm_patches.selftest.scenarios import _batched_one, greedy
+    from mlx_lm_patches.selftest.tiny_models import available_model_types, build_tiny_model
 
     if "mamba" not in available_model_types():
         return Outcome.not_applicable("no mamba model in this mlx-lm")

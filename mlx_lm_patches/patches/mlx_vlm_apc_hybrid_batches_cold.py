@@ -39,7 +39,7 @@ def apply(p):
 def probe():
     """Evidence: a tiny Qwen3.5 whose requests sent together beside a cache hit are answered
     differently from each alone (or raise)."""
-    from mlx_lm_patches.demos.tiny_vlm_models import apc_mixed_prefill_evidence
+    from mlx_lm_patches.mechanisms.probing.vlm_problems import apc_mixed_prefill_evidence
 
     return apc_mixed_prefill_evidence("qwen3_5")
 
@@ -48,6 +48,6 @@ def scenario():
     """A tiny random-weight mlx-vlm Qwen3.5 with mlx-vlm's prefix cache: a prompt, then two
     requests sharing or extending it sent together, then an extension alone, each answered as
     without the cache (the last one a hit)."""
-    from mlx_lm_patches.demos.tiny_vlm_models import apc_scenario
+    from mlx_lm_patches.selftest.vlm.prefix_cache import apc_scenario
 
     return apc_scenario("qwen3_5")  # (needs hits-refused: where that applies, no hit: n/a)

@@ -31,7 +31,7 @@ def probe():
     """Evidence: a tiny Qwen3.5 whose requests beside cache hits (sent together, or alone on a
     snapshot stored from a batch) are answered differently from each without the cache (or
     raise)."""
-    from mlx_lm_patches.demos.tiny_vlm_models import apc_mixed_prefill_evidence
+    from mlx_lm_patches.mechanisms.probing.vlm_problems import apc_mixed_prefill_evidence
 
     return apc_mixed_prefill_evidence("qwen3_5")
 
@@ -39,6 +39,6 @@ def probe():
 def scenario():
     """A tiny random-weight mlx-vlm Qwen3.5 with mlx-vlm's prefix cache: every request answered
     as without the cache (with the fix there is no hit)."""
-    from mlx_lm_patches.demos.tiny_vlm_models import apc_scenario
+    from mlx_lm_patches.selftest.vlm.prefix_cache import apc_scenario
 
     return apc_scenario("qwen3_5", require_hit=False)

@@ -43,7 +43,7 @@ def apply(p):
 
 
 def probe():
-    from mlx_lm_patches.demos.tiny_vlm_models import gated_delta_advance_problem
+    from mlx_lm_patches.mechanisms.probing.vlm_problems import gated_delta_advance_problem
 
     return gated_delta_advance_problem(sys.modules[MODULE])
 
@@ -51,6 +51,6 @@ def probe():
 def scenario():
     """A tiny random-weight mlx-vlm Qwen3.5 (gated-delta and attention layers): prompts of 5, 9
     and 13 tokens batched equal each prompt alone."""
-    from mlx_lm_patches.demos.tiny_vlm_models import scenario_outcome
+    from mlx_lm_patches.selftest.vlm.batching import scenario_outcome
 
     return scenario_outcome("qwen3_5", only=("mlx-vlm", "mlx-lm"), before_rows=True)

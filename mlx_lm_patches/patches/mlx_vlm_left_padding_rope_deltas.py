@@ -68,7 +68,7 @@ def probe():
     """Evidence that ``BatchGenerator.insert`` on a generator told ``existing_left_padding``
     keeps a padded row's ``rope_deltas`` of the padded width (two rows, one left-padded by 1,
     positions as ``get_rope_index`` gives them under the mask)."""
-    from mlx_lm_patches.demos.tiny_vlm_models import left_padding_deltas_problem
+    from mlx_lm_patches.mechanisms.probing.vlm_problems import left_padding_deltas_problem
 
     return left_padding_deltas_problem(sys.modules[MODULE])
 
@@ -78,6 +78,6 @@ def scenario():
     ``BatchGenerator`` as ``batch_generate`` feeds them (one padded batch, embeddings under its
     mask, the generator told each row's padding) equal each prompt alone through mlx-vlm's
     ``generate_step``."""
-    from mlx_lm_patches.demos import tiny_vlm_models as vlm
+    from mlx_lm_patches.selftest.vlm.batch_generate import batch_generate_scenario
 
-    return vlm.batch_generate_scenario("qwen3_5", "told")
+    return batch_generate_scenario("qwen3_5", "told")

@@ -75,6 +75,6 @@ def scenario():
     """A tiny random-weight mlx-vlm Qwen3.5 and a processor from a locally built tokenizer:
     ``batch_generate`` of three text prompts of different lengths answers each as
     ``mlx_vlm.generate`` answers it alone."""
-    from mlx_lm_patches.demos import tiny_vlm_models as vlm
+    from mlx_lm_patches.selftest.vlm.batch_generate import batch_generate_texts_scenario
 
-    return vlm.batch_generate_texts_scenario("qwen3_5", "inserted")
+    return batch_generate_texts_scenario("qwen3_5", "inserted")

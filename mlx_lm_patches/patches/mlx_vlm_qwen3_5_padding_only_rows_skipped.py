@@ -102,6 +102,6 @@ def scenario():
     """A tiny random-weight mlx-vlm Qwen3.5: prompts of 5, 9 and 13 tokens inserted one by one
     into mlx-vlm's ``BatchGenerator`` with ``prefill_step_size=3`` (the first chunks are padding
     only for the shorter rows) equal each prompt alone."""
-    from mlx_lm_patches.demos import tiny_vlm_models as vlm
+    from mlx_lm_patches.selftest.vlm.batching import scenario_outcome
 
-    return vlm.scenario_outcome("qwen3_5", only=("mlx-vlm",), prefill_step_size=3)
+    return scenario_outcome("qwen3_5", only=("mlx-vlm",), prefill_step_size=3)

@@ -22,4 +22,14 @@ Metal
 
 from mlx_lm_patches.mechanisms.vlm_positions import prefill_positions_patch
 
-apply, probe, scenario = prefill_positions_patch("mlx_vlm.models.qwen3_5.language", "qwen3_5")
+LANGUAGE = "mlx_vlm.models.qwen3_5.language"
+apply, probe = prefill_positions_patch(LANGUAGE, "qwen3_5")
+
+
+def scenario():
+    """The tiny random-weight model: prompts of 5, 9 and 13 tokens inserted one by one into
+    mlx-vlm's ``BatchGenerator``, and its language model prefilling a padded batch without
+    positions, equal each prompt alone."""
+    from mlx_lm_patches.selftest.vlm.positions import prefill_positions_scenario
+
+    return prefill_positions_scenario(LANGUAGE, "qwen3_5")

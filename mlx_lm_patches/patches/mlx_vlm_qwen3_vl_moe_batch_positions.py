@@ -37,7 +37,7 @@ def apply(p):
 def probe():
     """Evidence that a two-layer Qwen3-VL-MoE language model gives a left-padded row of a
     ``BatchKVCache`` batch something else than the row alone (or raises)."""
-    from mlx_lm_patches.demos.tiny_vlm_models import batched_rows_problem
+    from mlx_lm_patches.mechanisms.probing.vlm_problems import batched_rows_problem
 
     return batched_rows_problem(sys.modules[MODULE], "qwen3_vl_moe")
 
@@ -45,6 +45,6 @@ def probe():
 def scenario():
     """A tiny random-weight mlx-vlm Qwen3-VL-MoE: prompts of 5, 9 and 13 tokens through mlx-vlm's
     ``BatchGenerator`` and mlx-lm's equal each prompt alone through mlx-vlm's ``generate_step``."""
-    from mlx_lm_patches.demos.tiny_vlm_models import scenario_outcome
+    from mlx_lm_patches.selftest.vlm.batching import scenario_outcome
 
     return scenario_outcome("qwen3_vl_moe", only=("mlx-vlm", "mlx-lm"), before_rows=True)

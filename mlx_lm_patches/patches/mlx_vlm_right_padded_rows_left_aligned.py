@@ -67,6 +67,6 @@ def scenario():
     processor over a locally built tokenizer that pads on the right: ``batch_generate`` of
     three image prompts (two of one image shape, of different lengths) and a text prompt
     answers each as ``mlx_vlm.generate`` answers it alone with its image."""
-    from mlx_lm_patches.demos import tiny_vlm_models as vlm
+    from mlx_lm_patches.selftest.vlm.batch_generate import batch_generate_images_scenario
 
-    return vlm.batch_generate_images_scenario("qwen3_5", "told")
+    return batch_generate_images_scenario("qwen3_5", "told")

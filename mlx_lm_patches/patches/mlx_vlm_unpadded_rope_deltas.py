@@ -66,7 +66,7 @@ def apply(p):
 def probe():
     """Evidence that ``_unpad_batch_prompts`` strips a padded row's columns but keeps the
     ``rope_deltas`` computed against the padded width."""
-    from mlx_lm_patches.demos.tiny_vlm_models import unpadded_deltas_problem
+    from mlx_lm_patches.mechanisms.probing.vlm_problems import unpadded_deltas_problem
 
     return unpadded_deltas_problem(sys.modules[MODULE])
 
@@ -75,6 +75,6 @@ def scenario():
     """A tiny random-weight mlx-vlm Qwen3.5: prompts of 5, 9 and 13 tokens fed to mlx-vlm's
     ``BatchGenerator`` as ``batch_generate`` feeds them (one padded batch, its attention mask
     and embeddings) equal each prompt alone through mlx-vlm's ``generate_step``."""
-    from mlx_lm_patches.demos import tiny_vlm_models as vlm
+    from mlx_lm_patches.selftest.vlm.batch_generate import batch_generate_scenario
 
-    return vlm.batch_generate_scenario("qwen3_5", "stripped")
+    return batch_generate_scenario("qwen3_5", "stripped")

@@ -190,8 +190,9 @@ def scenario():
     (what ``--draft-model mtp`` does); speculative decoding with it equals greedy decoding."""
     import tempfile
 
-    from mlx_lm_patches.demos.scenarios import greedy, prompt_tokens, speculative_greedy
-    from mlx_lm_patches.demos.mtp_checkpoints import write_mtp_checkpoint
+    from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
+    from mlx_lm_patches.selftest.scenarios import greedy, speculative_greedy
+    from mlx_lm_patches.selftest.mtp_checkpoints import write_mtp_checkpoint
 
     load = sys.modules[GENERATE].load
     with tempfile.TemporaryDirectory() as tmp:

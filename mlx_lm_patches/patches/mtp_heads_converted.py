@@ -161,8 +161,9 @@ def scenario():
     import tempfile
     from pathlib import Path
 
-    from mlx_lm_patches.demos.mtp_checkpoints import write_mtp_checkpoint
-    from mlx_lm_patches.demos.scenarios import greedy, prompt_tokens, speculative_greedy
+    from mlx_lm_patches.selftest.mtp_checkpoints import write_mtp_checkpoint
+    from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
+    from mlx_lm_patches.selftest.scenarios import greedy, speculative_greedy
 
     from mlx_lm import load
     from mlx_lm.convert import convert

@@ -127,7 +127,7 @@ def scenario():
     """A Qwen3-Next checkpoint carrying an MTP head loads; head and backbone round-trip."""
     import tempfile
 
-    from mlx_lm_patches.demos.mtp_checkpoints import check_loaded, write_mtp_checkpoint
+    from mlx_lm_patches.selftest.mtp_checkpoints import check_loaded, write_mtp_checkpoint
 
     from mlx_lm import load
 

@@ -177,8 +177,9 @@ def scenario():
 
     generate_module = importlib.import_module(GENERATE)
 
-    from mlx_lm_patches.demos.scenarios import greedy, prompt_tokens, speculative_greedy
-    from mlx_lm_patches.demos.tiny_models import build_tiny_model
+    from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
+    from mlx_lm_patches.selftest.scenarios import greedy, speculative_greedy
+    from mlx_lm_patches.selftest.tiny_models import build_tiny_model
 
     details = []
     for model_type in ("qwen3_next", "llama"):

@@ -44,8 +44,8 @@ def apply(p):
 
 def scenario():
     """Save a hybrid model's prompt cache, load it, continue decoding: exact vs cold."""
-    from mlx_lm_patches.demos.scenarios import round_trip_families
-    from mlx_lm_patches.demos.tiny_models import available_model_types, build_tiny_model
+    from mlx_lm_patches.selftest.scenarios import round_trip_families
+    from mlx_lm_patches.selftest.tiny_models import available_model_types, build_tiny_model
 
     types = [t for t in ("qwen3_next", "nemotron_h") if t in available_model_types()]
     return round_trip_families([(t, build_tiny_model(t, seed=2)) for t in types], seed=2,

@@ -288,8 +288,8 @@ def scenario():
     """A prompt stored after a 600-token shared prefix; a request diverging right after it: at
     least half the shared prefix is reused and the continuation equals a cold prefill - through
     ``generate_step`` (what the server does) and through an engine calling the model itself."""
-    from mlx_lm_patches.demos.scenarios import engine_prefix_reuse, prefix_reuse
-    from mlx_lm_patches.demos.tiny_models import available_model_types, build_tiny_model
+    from mlx_lm_patches.selftest.scenarios import engine_prefix_reuse, prefix_reuse
+    from mlx_lm_patches.selftest.tiny_models import available_model_types, build_tiny_model
 
     details = []
     cases = [(t, "generate_step", prefix_reuse) for t in ("qwen3_next", "lfm2", "falcon_h1", "mamba2")]

@@ -214,8 +214,9 @@ def scenario():
     """Hybrid main models speculating with a rejecting hybrid draft and a dense draft; a
     sliding-window model past its window; a dense main model with a hybrid draft asked for
     more draft tokens than the kept states allow (the draft re-synchronises, never refuses)."""
-    from mlx_lm_patches.demos.scenarios import greedy, prompt_tokens, speculative_greedy
-    from mlx_lm_patches.demos.tiny_models import available_model_types, build_tiny_model
+    from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
+    from mlx_lm_patches.selftest.scenarios import greedy, speculative_greedy
+    from mlx_lm_patches.selftest.tiny_models import available_model_types, build_tiny_model
 
     details = []
     for model_type in [t for t in ("qwen3_next", "lfm2", "mamba2") if t in available_model_types()]:
@@ -244,8 +245,9 @@ def scenario():
 def _past_a_window(details):
     """A sliding-window model (exaone_moe, window 6) speculating past its window with a dense
     draft; what went wrong, or None (the detail is added)."""
-    from mlx_lm_patches.demos.scenarios import greedy, prompt_tokens, speculative_greedy
-    from mlx_lm_patches.demos.tiny_models import _module_exists, build_tiny_model
+    from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
+    from mlx_lm_patches.selftest.scenarios import greedy, speculative_greedy
+    from mlx_lm_patches.selftest.tiny_models import _module_exists, build_tiny_model
 
     if not _module_exists("exaone_moe"):
         return None
@@ -273,8 +275,9 @@ def _draft_beyond_the_budget(details):
     import mlx.core as mx
     from mlx_lm.generate import speculative_generate_step
 
-    from mlx_lm_patches.demos.scenarios import Decoded, greedy, prompt_tokens
-    from mlx_lm_patches.demos.tiny_models import build_tiny_model
+    from mlx_lm_patches.mechanisms.probing.decoded import Decoded, prompt_tokens
+    from mlx_lm_patches.selftest.scenarios import greedy
+    from mlx_lm_patches.selftest.tiny_models import build_tiny_model
     from mlx_lm_patches.mechanisms.adaptive import forced
 
     model, draft = build_tiny_model("llama", seed=1), build_tiny_model("qwen3_next", seed=7)

@@ -100,8 +100,9 @@ def apply(p):
 
 def scenario():
     """nemotron_h (fewer caches than layers) speculating with a supplied combined prompt cache."""
-    from mlx_lm_patches.demos.scenarios import speculative_greedy, greedy, prompt_tokens
-    from mlx_lm_patches.demos.tiny_models import available_model_types, build_tiny_model
+    from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
+    from mlx_lm_patches.selftest.scenarios import greedy, speculative_greedy
+    from mlx_lm_patches.selftest.tiny_models import available_model_types, build_tiny_model
 
     if "nemotron_h" not in available_model_types():
         return Outcome.not_applicable("no nemotron_h in this mlx-lm")

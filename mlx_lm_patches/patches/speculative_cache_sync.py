@@ -149,8 +149,8 @@ def apply(p):
 def scenario():
     """What mlx_lm.server does for a two-turn conversation with a draft model: decode turn 1
     speculatively into a supplied prompt cache, then continue that cache with turn 2."""
-    from mlx_lm_patches.demos.scenarios import continue_after_speculation
-    from mlx_lm_patches.demos.tiny_models import DENSE_MODEL_TYPE, available_model_types, build_tiny_model
+    from mlx_lm_patches.selftest.scenarios import continue_after_speculation
+    from mlx_lm_patches.selftest.tiny_models import DENSE_MODEL_TYPE, available_model_types, build_tiny_model
 
     cases = [(DENSE_MODEL_TYPE, DENSE_MODEL_TYPE)]
     cases += [("qwen3_next", DENSE_MODEL_TYPE)] if "qwen3_next" in available_model_types() else []

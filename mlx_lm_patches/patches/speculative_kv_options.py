@@ -228,8 +228,9 @@ def scenario():
     exactly below ``quantized_kv_start``."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlx_lm_patches.demos.scenarios import greedy, prompt_tokens, speculative_greedy
-    from mlx_lm_patches.demos.tiny_models import available_model_types, build_tiny_model
+    from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
+    from mlx_lm_patches.selftest.scenarios import greedy, speculative_greedy
+    from mlx_lm_patches.selftest.tiny_models import available_model_types, build_tiny_model
 
     window, details = 24, []
     draft = build_tiny_model("qwen3", seed=7)

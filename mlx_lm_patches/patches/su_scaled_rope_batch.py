@@ -74,6 +74,6 @@ def apply(p):
 
 def scenario():
     """phi3 with longrope, three prompts batched with rows on both sides of the switch."""
-    from mlx_lm_patches.demos.tiny_rope_models import scenario_outcome
+    from mlx_lm_patches.selftest.tiny_rope_models import scenario_outcome
 
     return scenario_outcome(PID, "phi3 longrope (SuScaledRoPE)")

@@ -39,7 +39,7 @@ def _keep_mlx_vlm_attention(wrapped, instance, args, kwargs):
 
 
 def apply(p):
-    from mlx_lm_patches.demos.tiny_vllm_mlx import LANGUAGE
+    from mlx_lm_patches.mechanisms.probing.vllm_mlx import LANGUAGE
 
     language = sys.modules.get(LANGUAGE)
     if language is not None and "_batch_patched" in vars(language.Qwen3_5Attention):
@@ -51,8 +51,8 @@ def apply(p):
 def probe():
     """Evidence that vllm-mlx's attention replacement, tried on a throwaway subclass, decodes a
     left-padded batch differently from mlx-vlm's own ``Qwen3_5Attention``."""
-    from mlx_lm_patches.demos.tiny_vlm_models import available
-    from mlx_lm_patches.demos.tiny_vllm_mlx import attention_replacement_problem
+    from mlx_lm_patches.mechanisms.probing.tiny_vlm import available
+    from mlx_lm_patches.mechanisms.probing.vllm_mlx import attention_replacement_problem
     from mlx_lm_patches.engine.contract import NotNeeded
 
     if not available("qwen3_5"):
@@ -64,6 +64,6 @@ def scenario():
     """vllm-mlx's ``MLLMBatchGenerator`` on a tiny random-weight mlx-vlm Qwen3.5: text requests
     of 3, 17 and 9 tokens sent at once equal each prompt alone through mlx-vlm's
     ``generate_step``."""
-    from mlx_lm_patches.demos import tiny_vllm_mlx
+    from mlx_lm_patches.selftest import vllm_mlx_engine
 
-    return tiny_vllm_mlx.scenario_outcome()
+    return vllm_mlx_engine.scenario_outcome()

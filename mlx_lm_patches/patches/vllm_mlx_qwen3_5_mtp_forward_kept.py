@@ -92,8 +92,8 @@ def probe():
     """Evidence that, after vllm-mlx's ``inject_mtp_support`` on a tiny mlx-vlm Qwen3.5 (with a
     tiny ``model-mtp.safetensors``), its language model ignores the ``inputs_embeds`` it is
     handed: other logits than mlx-vlm's own forward."""
-    from mlx_lm_patches.demos.tiny_vlm_models import available
-    from mlx_lm_patches.demos.tiny_vllm_mlx import mtp_forward_problem
+    from mlx_lm_patches.mechanisms.probing.tiny_vlm import available
+    from mlx_lm_patches.mechanisms.probing.vllm_mlx import mtp_forward_problem
     from mlx_lm_patches.engine.contract import NotNeeded
 
     if not available("qwen3_5"):
@@ -107,14 +107,14 @@ def scenario():
     request's greedy tokens alone (mlx-vlm's ``generate_step``), the MTP head drafting."""
     import tempfile
 
-    from mlx_lm_patches.demos import tiny_vllm_mlx
+    from mlx_lm_patches.selftest import vllm_mlx_engine
     from mlx_lm_patches.engine.contract import Outcome
 
-    if not tiny_vllm_mlx.available("qwen3_5"):
+    if not vllm_mlx_engine.available("qwen3_5"):
         return Outcome.not_applicable("vllm-mlx's vision engine or mlx-vlm's qwen3_5 is not installed")
     try:
         with tempfile.TemporaryDirectory() as root:
-            problem, stats = tiny_vllm_mlx.enable_mtp_problem(root)
+            problem, stats = vllm_mlx_engine.enable_mtp_problem(root)
     except Exception as exc:
         return Outcome.failure("vllm-mlx --enable-mtp on a tiny mlx-vlm Qwen3.5", exc)
     if problem:

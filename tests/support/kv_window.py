@@ -22,7 +22,7 @@ def hybrids_with_plain_attention():
     layer: those whose attention ``max_kv_size`` bounds."""
     from mlx_lm.models.cache import ArraysCache, KVCache
 
-    from mlx_lm_patches.demos.tiny_models import available_model_types, build_tiny_model
+    from mlx_lm_patches.selftest.tiny_models import available_model_types, build_tiny_model
     from mlx_lm_patches.mechanisms.caches import flat_caches
 
     found = []

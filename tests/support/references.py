@@ -13,8 +13,9 @@ The key includes the patches applied at the time: a reference computed on stock 
 handed to a patched test, and the other way round.
 """
 
-from mlx_lm_patches.demos.scenarios import Decoded, greedy
-from mlx_lm_patches.demos.tiny_models import build_tiny_model
+from mlx_lm_patches.mechanisms.probing.decoded import Decoded
+from mlx_lm_patches.selftest.scenarios import greedy
+from mlx_lm_patches.selftest.tiny_models import build_tiny_model
 
 _TINY = {}
 _OF_MODEL = {}

@@ -234,12 +234,12 @@ def tiny_workload(folder_root, model_type: str, requests: int, max_tokens: int, 
 
     from mlx_lm import load
 
-    from mlx_lm_patches.demos.model_folder import write_model_folder
-    from mlx_lm_patches.demos.tiny_models import build_tiny_model, tiny_config
+    from mlx_lm_patches.selftest.model_folder import write_model_folder
+    from mlx_lm_patches.selftest.tiny_models import build_tiny_model, tiny_config
     from support.chat_reference import chat_reference
 
     if mtp:
-        from mlx_lm_patches.demos.mtp_checkpoints import write_mtp_checkpoint
+        from mlx_lm_patches.selftest.mtp_checkpoints import write_mtp_checkpoint
 
         folder = write_mtp_checkpoint(folder_root, model_type, dtype="float32", name="model").folder
     else:

@@ -108,7 +108,7 @@ def _context(core: bool = False):
 
 
 def layout_of(model_type: str) -> str:
-    from mlx_lm_patches.demos.tiny_models import cache_layout
+    from mlx_lm_patches.selftest.tiny_models import cache_layout
 
     return cache_layout(model_type)
 

@@ -2,34 +2,14 @@
 
 The reference is single-sequence greedy decoding with a cold prefill through mlx-lm's own
 ``generate_step``. "Exact" means the same greedy tokens and log-probabilities within
-:data:`LOGPROB_TOLERANCE` (CPU, float32).
+:data:`~mlx_lm_patches.mechanisms.probing.decoded.LOGPROB_TOLERANCE` (CPU, float32), as
+:class:`~mlx_lm_patches.mechanisms.probing.decoded.Decoded` compares them.
 """
 
-from dataclasses import dataclass
-from typing import List, Optional
+from typing import Optional
 
 from mlx_lm_patches.engine.contract import Outcome  # noqa: F401  (scenario helpers return it)
-
-LOGPROB_TOLERANCE = 1e-4
-
-
-@dataclass
-class Decoded:
-    tokens: List[int]
-    logprobs: list  # mx.array rows, one per generated token
-
-    def compare(self, other: "Decoded") -> Optional[str]:
-        """``None`` if ``other`` is exact against this reference, else what differs."""
-        import mlx.core as mx
-
-        if self.tokens != other.tokens:
-            return f"tokens differ: reference {self.tokens}, got {other.tokens}"
-        worst = 0.0
-        for ref, got in zip(self.logprobs, other.logprobs):
-            worst = max(worst, mx.abs(ref.astype(mx.float32) - got.astype(mx.float32)).max().item())
-        if worst > LOGPROB_TOLERANCE:
-            return f"log-probabilities differ by {worst:.3g} (> {LOGPROB_TOLERANCE})"
-        return None
+from mlx_lm_patches.mechanisms.probing.decoded import Decoded, prompt_tokens
 
 
 def greedy(model, prompt, max_tokens=8, prompt_cache=None, **kwargs) -> Decoded:
@@ -103,11 +83,6 @@ def continue_after_speculation(model, draft_model, prompt=None, follow_up=None, 
             return (f"the {role} model continuing from its part of the cache "
                     f"({len(generated)} tokens generated): {problem}")
     return None
-
-
-def prompt_tokens(n=12, vocab=256, seed=0) -> List[int]:
-    """A deterministic prompt of ``n`` token ids below ``vocab``."""
-    return [(seed * 7919 + i * 37 + 11) % (vocab - 4) + 1 for i in range(n)]
 
 
 def prefill(model, tokens, cache):

@@ -8,7 +8,7 @@ gives each row its own frequencies if the rows straddle that threshold, so every
 it low:
 
 * ``THRESHOLD_IN_DECODE`` (12): prompts of 5, 9 and 13 tokens prefill below it (cold or continued
-  from a cache of 3-6 tokens, so :func:`mlx_lm_patches.demos.scenarios.batching_situations` applies
+  from a cache of 3-6 tokens, so :func:`mlx_lm_patches.selftest.scenarios.batching_situations` applies
   unchanged), and the rows cross it at different decode steps.
 * ``THRESHOLD_IN_PREFILL`` (8, internlm 3): the longer prompts cross it during the prefill, so a
   row prefilled padded to another row's length would get that length's frequencies.
@@ -22,8 +22,9 @@ it low:
 
 from typing import Any, Dict, List, Optional, Tuple
 
-from mlx_lm_patches.demos import tiny_models
+from mlx_lm_patches.selftest import tiny_models
 from mlx_lm_patches.engine.traceless import seeded
+from mlx_lm_patches.mechanisms.probing.random_weights import randomize_parameters
 
 THRESHOLD_IN_DECODE = 12
 THRESHOLD_IN_PREFILL = 8
@@ -94,7 +95,7 @@ def build(model_type: str, config: Dict[str, Any], seed: int = 1):
     model_cls, args_cls = tiny_models._model_classes(config, model_type)
     with seeded(seed):  # the caller's random stream is left where it was
         model = model_cls(args_cls.from_dict(dict(config)))
-    tiny_models._randomize_parameters(model, model_type, seed, mx.float32)
+    randomize_parameters(model, model_type, seed, mx.float32)
     mx.eval(model.parameters())
     model.eval()
     return model
@@ -117,7 +118,8 @@ def batching_check(model, model_type) -> Optional[str]:
     once, one inserted while the others decode, and continued from prompt caches holding their
     first 3/6/4 tokens - each row against single-sequence greedy decoding through the same forward
     passes. ``None`` if every row is exact, else what differs."""
-    from mlx_lm_patches.demos.scenarios import batched_greedy, first_problem, greedy, prompt_tokens, split_prefilled
+    from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
+    from mlx_lm_patches.selftest.scenarios import batched_greedy, first_problem, greedy, split_prefilled
 
     prompts = [prompt_tokens(n, seed=n) for n in (5, 9, 13)]
     splits = (3, 6, 4)

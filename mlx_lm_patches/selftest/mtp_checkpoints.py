@@ -74,19 +74,6 @@ class Written:
     head: dict = field(default_factory=dict)  # MTP head parameter name (MLX layout) -> array
 
 
-def _random_like(params, seed):
-    import mlx.core as mx
-
-    out = {}
-    for i, (key, value) in enumerate(sorted(params.items())):
-        if not mx.issubdtype(value.dtype, mx.floating):
-            out[key] = value
-            continue
-        noise = 0.05 * mx.random.normal(value.shape, key=mx.random.key(seed + i))
-        out[key] = noise + 1.0 if "norm" in key and value.ndim == 1 else noise
-    return out
-
-
 HEAD_PREFIXES = ("mtp.", "language_model.mtp.", "model.mtp.")
 
 
@@ -131,7 +118,7 @@ def nemotron_mtp_pattern():
     """``"*E"`` (Nemotron 3 Super's MTP blocks) where this mlx-lm has MoE blocks, else ``"*-"``."""
     from mlx_lm.models.nemotron_h import ModelArgs, NemotronHBlock
 
-    from mlx_lm_patches.demos.tiny_models import tiny_config
+    from mlx_lm_patches.selftest.tiny_models import tiny_config
 
     args = ModelArgs.from_dict(dict(tiny_config("nemotron_h"), **NEMOTRON_MOE))
     return "*E" if "mixer" in NemotronHBlock(args, "E") else "*-"
@@ -242,7 +229,7 @@ def hf_layout_unreadable(family):
     ``model.layers.{l}`` instead of ``model.layers.{l}.self_attn``)."""
     from mlx.utils import tree_flatten
 
-    from mlx_lm_patches.demos.tiny_models import build_tiny_model
+    from mlx_lm_patches.selftest.tiny_models import build_tiny_model
 
     if family not in DEEPSEEK_LAYOUT:
         return None
@@ -287,8 +274,9 @@ def write_mtp_checkpoint(root, family, *, form="mlx", quantized=False, placement
     from mlx.utils import tree_flatten
 
     from mlx_lm_patches.mechanisms.mtp.heads import build
-    from mlx_lm_patches.demos.model_folder import write_model_folder
-    from mlx_lm_patches.demos.tiny_models import build_tiny_model, tiny_config
+    from mlx_lm_patches.mechanisms.probing.random_weights import random_like
+    from mlx_lm_patches.selftest.model_folder import write_model_folder
+    from mlx_lm_patches.selftest.tiny_models import build_tiny_model, tiny_config
 
     dtype = getattr(mx, dtype)
     config = dict(tiny_config(family), **(config_overrides or {}))
@@ -300,7 +288,7 @@ def write_mtp_checkpoint(root, family, *, form="mlx", quantized=False, placement
     # MiMo-V2-Flash and Step-3.5 heads draft with each of their MTP layers in turn
     shipped = {"mimo_v2_flash": MIMO_V2_LAYERS, "step3p5": STEP_LAYERS}.get(family, 1)
     head = build(model, 1, _declare(config, family, shipped))
-    head.load_weights(list(_random_like(dict(tree_flatten(head.parameters())), seed=1000).items()))
+    head.load_weights(list(random_like(dict(tree_flatten(head.parameters())), seed=1000).items()))
     if quantized or overrides:
         overrides = dict(overrides or {})
         entries = {}

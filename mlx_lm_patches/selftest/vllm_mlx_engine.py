@@ -6,8 +6,8 @@ cache and decoded together. Text requests are given as token ids (``MLLMBatchReq
 vllm-mlx then skips its processor), greedy, so no processor or tokenizer is needed.
 
 The reference is the model's single-sequence path, mlx-vlm's ``generate_step`` of each prompt
-alone (:func:`mlx_lm_patches.demos.tiny_vlm_models.single`): the same greedy tokens and
-log-probabilities within :data:`mlx_lm_patches.demos.scenarios.LOGPROB_TOLERANCE`.
+alone (:func:`mlx_lm_patches.mechanisms.probing.tiny_vlm.single`): the same greedy tokens and
+log-probabilities within :data:`mlx_lm_patches.mechanisms.probing.decoded.LOGPROB_TOLERANCE`.
 
 Importing this module imports neither vllm-mlx nor mlx-vlm.
 """
@@ -17,10 +17,12 @@ import importlib.util
 from contextlib import contextmanager
 from typing import List, Optional
 
-from mlx_lm_patches.demos import tiny_vlm_models as vlm
+from mlx_lm_patches.mechanisms.probing import tiny_vlm
+from mlx_lm_patches.mechanisms.probing.vllm_mlx import LANGUAGE, write_mtp_sidecar
+from mlx_lm_patches.selftest.vlm import batch_generate
+from mlx_lm_patches.selftest.vlm.api import unsupported_api
 
 MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")  # the MoE model's attention is the same class
-LANGUAGE = "mlx_vlm.models.qwen3_5.language"
 PROMPT_LENGTHS = (3, 17, 9)
 MAX_TOKENS = 6
 
@@ -29,7 +31,7 @@ def available(model_type: str = "qwen3_5") -> bool:
     """vllm-mlx (with its vision engine) and mlx-vlm's ``model_type`` are installed."""
     try:
         return (importlib.util.find_spec("vllm_mlx.mllm_batch_generator") is not None
-                and vlm.available(model_type))
+                and tiny_vlm.available(model_type))
     except ModuleNotFoundError:
         return False
 
@@ -52,12 +54,12 @@ def attention_as_found():
 
 
 def prompts() -> List[List[int]]:
-    from mlx_lm_patches.demos.scenarios import prompt_tokens
+    from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
 
     return [prompt_tokens(n, seed=n) for n in PROMPT_LENGTHS]
 
 
-def _generator(model, processor, size: int, max_tokens: int):
+def mllm_generator(model, processor, size: int, max_tokens: int):
     from vllm_mlx.mllm_batch_generator import MLLMBatchGenerator
 
     return MLLMBatchGenerator(model, processor=processor, max_tokens=max_tokens, stop_tokens=set(),
@@ -65,10 +67,10 @@ def _generator(model, processor, size: int, max_tokens: int):
                               enable_vision_cache=False)
 
 
-def _decoded(generator, requests, max_tokens: int):
+def decode_requests(generator, requests, max_tokens: int):
     """``requests`` inserted at once into ``generator`` and decoded to the end, greedy; one
-    :class:`~mlx_lm_patches.demos.scenarios.Decoded` per request, in order."""
-    from mlx_lm_patches.demos.scenarios import Decoded
+    :class:`~mlx_lm_patches.mechanisms.probing.decoded.Decoded` per request, in order."""
+    from mlx_lm_patches.mechanisms.probing.decoded import Decoded
 
     try:
         generator.insert(requests)
@@ -96,14 +98,14 @@ def _decoded(generator, requests, max_tokens: int):
 
 def mllm_batched(model, rows, max_tokens: int = MAX_TOKENS):
     """``rows`` (token ids) sent at once to vllm-mlx's ``MLLMBatchGenerator``, greedy; one
-    :class:`~mlx_lm_patches.demos.scenarios.Decoded` per row, in order."""
+    :class:`~mlx_lm_patches.mechanisms.probing.decoded.Decoded` per row, in order."""
     import mlx.core as mx
     from vllm_mlx.mllm_batch_generator import MLLMBatchRequest
 
     requests = [MLLMBatchRequest(uid=-1, request_id=f"row{i}", prompt="", max_tokens=max_tokens,
                                  temperature=0.0, top_p=1.0, input_ids=mx.array([row]))
                 for i, row in enumerate(rows)]
-    return _decoded(_generator(model, None, len(rows), max_tokens), requests, max_tokens)
+    return decode_requests(mllm_generator(model, None, len(rows), max_tokens), requests, max_tokens)
 
 
 def image_data_url(image) -> str:
@@ -117,11 +119,11 @@ def image_data_url(image) -> str:
 
 
 def image_requests() -> List[tuple]:
-    """:data:`~mlx_lm_patches.demos.tiny_vlm_models.IMAGE_PROMPTS` as ``(text, images)``: the
-    first three with one of :func:`~mlx_lm_patches.demos.tiny_vlm_models.test_images` each,
+    """:data:`~mlx_lm_patches.selftest.vlm.batch_generate.IMAGE_PROMPTS` as ``(text, images)``:
+    the first three with one of :func:`~mlx_lm_patches.selftest.vlm.batch_generate.test_images` each,
     the fourth text only."""
-    images = vlm.test_images()
-    return [(text, images[i:i + 1] or None) for i, text in enumerate(vlm.IMAGE_PROMPTS)]
+    images = batch_generate.test_images()
+    return [(text, images[i:i + 1] or None) for i, text in enumerate(batch_generate.IMAGE_PROMPTS)]
 
 
 def alone_with_images(model, processor, text, images, max_tokens: int = MAX_TOKENS):
@@ -131,7 +133,7 @@ def alone_with_images(model, processor, text, images, max_tokens: int = MAX_TOKE
     from mlx_vlm.prompt_utils import apply_chat_template
     from mlx_vlm.utils import prepare_inputs
 
-    from mlx_lm_patches.demos.scenarios import Decoded
+    from mlx_lm_patches.mechanisms.probing.decoded import Decoded
 
     formatted = apply_chat_template(processor, model.config, text, num_images=len(images or ()))
     inputs = prepare_inputs(processor, images=images, prompts=formatted)
@@ -143,39 +145,11 @@ def alone_with_images(model, processor, text, images, max_tokens: int = MAX_TOKE
     return Decoded([int(t) for t, _ in steps], [lp.reshape(-1) for _, lp in steps])
 
 
-def image_requests_problem(model, model_type: str, max_tokens: int = MAX_TOKENS) -> Optional[str]:
-    """``None`` if :func:`image_requests` sent at once to vllm-mlx's ``MLLMBatchGenerator`` (chat
-    prompts, images as base64 data URLs, mlx-vlm's own processor over a locally built
-    tokenizer: :func:`~mlx_lm_patches.demos.tiny_vlm_models.vision_processor`) are each answered
-    as alone (:func:`alone_with_images`); else what differs. ``model`` is built with
-    ``images=True``."""
-    from mlx_vlm.prompt_utils import apply_chat_template
-    from vllm_mlx.mllm_batch_generator import MLLMBatchRequest
-
-    processor = vlm.vision_processor(model_type)
-    items = image_requests()
-    reference = [alone_with_images(model, processor, text, images, max_tokens) for text, images in items]
-    requests = [MLLMBatchRequest(uid=-1, request_id=f"request{i}", max_tokens=max_tokens,
-                                 temperature=0.0, top_p=1.0,
-                                 prompt=apply_chat_template(processor, model.config, text,
-                                                            num_images=len(images or ())),
-                                 images=[image_data_url(image) for image in images] if images else None)
-                for i, (text, images) in enumerate(items)]
-    with attention_as_found():
-        got = _decoded(_generator(model, processor, len(requests), max_tokens), requests, max_tokens)
-    for i, (ref, decoded) in enumerate(zip(reference, got)):
-        problem = ref.compare(decoded)
-        if problem:
-            kind = "image" if items[i][1] else "text"
-            return f"vllm-mlx MLLMBatchGenerator, mlx-vlm {model_type}, {kind} request {i}: {problem}"
-    return None
-
-
 def batched_problem(model, model_type: str) -> Optional[str]:
     """``None`` if every row of :func:`prompts` decoded together by vllm-mlx's vision engine
     equals the row alone (mlx-vlm's ``generate_step``), else what differs."""
     rows = prompts()
-    reference = [vlm.single(model, row, MAX_TOKENS) for row in rows]
+    reference = [tiny_vlm.single(model, row, MAX_TOKENS) for row in rows]
     with attention_as_found():
         got = mllm_batched(model, rows)
     for i, (ref, decoded) in enumerate(zip(reference, got)):
@@ -192,10 +166,10 @@ def scenario_outcome(model_type: str = "qwen3_5"):
 
     if not available(model_type):
         return Outcome.not_applicable(f"vllm-mlx's vision engine or mlx-vlm's {model_type} is not installed")
-    why = vlm.unsupported_api(model_type)
+    why = unsupported_api(model_type)
     if why:
         return Outcome.not_applicable(why)
-    model = vlm.build(model_type)
+    model = tiny_vlm.build(model_type)
     try:
         problem = batched_problem(model, model_type)
     except Exception as exc:
@@ -206,114 +180,9 @@ def scenario_outcome(model_type: str = "qwen3_5"):
                          f"{'/'.join(map(str, PROMPT_LENGTHS))} tokens at once equal each alone")
 
 
-def attention_replacement_problem(vllm_patch_module) -> Optional[str]:
-    """Evidence that vllm-mlx's ``patch_qwen35_attention_for_batching`` would change what mlx-vlm's
-    ``Qwen3_5Attention`` computes for a left-padded batch: the replacement is applied to a
-    throwaway subclass (mlx-vlm's class untouched), and one decode step of two rows, one with
-    two tokens of left padding, is run through both on identical caches. ``None`` where the
-    outputs agree (the replacement is harmless on this mlx-vlm)."""
-    import mlx.core as mx
-    from mlx_lm.models.cache import BatchKVCache
-
-    language = importlib.import_module(LANGUAGE)
-    own = language.Qwen3_5Attention
-    if "_batch_patched" in vars(own):
-        return ("vllm-mlx already replaced mlx-vlm's Qwen3_5Attention.__call__ in this process "
-                "(its generator was built before this patch was applied)")
-    replaced = type(own.__name__, (own,), {"__module__": own.__module__})
-    language.Qwen3_5Attention = replaced
-    try:
-        vllm_patch_module.patch_qwen35_attention_for_batching()
-    finally:
-        language.Qwen3_5Attention = own
-    if "__call__" not in vars(replaced):
-        return None  # this vllm-mlx no longer replaces the attention
-
-    model = vlm.build("qwen3_5")
-    attention = next(layer.self_attn for layer in model.language_model.model.layers
-                     if hasattr(layer, "self_attn"))
-    hidden = attention.q_proj.weight.shape[1]
-    prompt_key, step_key = mx.random.split(mx.random.key(3))
-    prompt = mx.random.normal((2, 3, hidden), key=prompt_key)
-    step = mx.random.normal((2, 1, hidden), key=step_key)
-
-    def decode(call):
-        cache = BatchKVCache([2, 0])
-        own.__call__(attention, prompt, mask=None, cache=cache)  # same prefill for both
-        cache._qwen3_5_decode_left_padding = [2, 0]  # as mlx-vlm's model marks a padded decode
-        return call(attention, step, mask="left_padded_decode", cache=cache)
-
-    expected, got = decode(own.__call__), decode(replaced.__call__)
-    gap = mx.abs(expected - got).max().item()
-    if gap > 1e-5:
-        return (f"vllm-mlx's replacement of mlx-vlm's Qwen3_5Attention.__call__ decodes a row with two "
-                f"tokens of left padding differently from mlx-vlm's own attention (max |diff| {gap:.3g})")
-    return None
-
-
 # -- vllm-mlx's own --enable-mtp on a vision-language checkpoint ----------------------------------
 
 MTP_TOKENS = 16
-
-
-def write_mtp_sidecar(folder, model_type: str = "qwen3_5", seed: int = 7):
-    """vllm-mlx's ``model-mtp.safetensors`` for a tiny mlx-vlm folder (``tiny_vlm_models.write_model_folder``):
-    a Qwen3.5 MTP head (built by this package's head builder over mlx-lm's model of the same text
-    config: the names vllm-mlx's ``inject_mtp_support`` loads) with random float32 weights under
-    ``mtp.``, and ``text_config.mtp_num_hidden_layers = 1`` in ``config.json``."""
-    import json
-    import pathlib
-
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-
-    from mlx_lm_patches.demos.mtp_checkpoints import _random_like
-    from mlx_lm_patches.mechanisms.mtp.heads import build
-
-    folder = pathlib.Path(folder)
-    config = json.loads((folder / "config.json").read_text())
-    config["text_config"]["mtp_num_hidden_layers"] = 1
-    (folder / "config.json").write_text(json.dumps(config, indent=2))
-    family = importlib.import_module(f"mlx_lm.models.{model_type}")
-    head = build(family.Model(family.ModelArgs.from_dict(config)), 1, config)
-    weights = _random_like(dict(tree_flatten(head.parameters())), seed=seed)
-    mx.save_safetensors(str(folder / "model-mtp.safetensors"),
-                        {f"mtp.{k}": v.astype(mx.float32) for k, v in weights.items()})
-    return config
-
-
-def mtp_forward_problem(inject_module) -> Optional[str]:
-    """Evidence that vllm-mlx's ``inject_mtp_support`` (``inject_module``) makes a tiny mlx-vlm
-    Qwen3.5's language model ignore the embeddings it is handed (how mlx-vlm passes image
-    features): after the injection, a call given ``inputs_embeds`` other than the tokens' own
-    embeddings returns other logits than mlx-vlm's own forward. ``None`` where they agree."""
-    import mlx.core as mx
-    from mlx_vlm.models.cache import make_prompt_cache
-
-    from mlx_lm_patches.engine.traceless import random_state_kept, scratch_folder
-
-    # inject_mtp_support reads the head from disk: a private folder, removed afterwards; the
-    # head it builds (and the one written) draw their initial weights from mlx's stream
-    with scratch_folder() as root, random_state_kept():
-        folder, model = vlm.write_model_folder(f"{root}/model", "qwen3_5")
-        config = write_mtp_sidecar(folder)
-        language_model = model.language_model
-        own = type(language_model)
-        tokens = mx.array([[5, 6, 7, 8]])
-        embeddings = language_model.model.embed_tokens(tokens) * 2.0
-        language_model._position_ids = language_model._rope_deltas = None
-        expected = own.__call__(language_model, tokens, inputs_embeds=embeddings,
-                                cache=make_prompt_cache(language_model)).logits
-        if not inject_module.inject_mtp_support(model, folder, config):
-            return None  # (this vllm-mlx injects nothing here: nothing to fix)
-        language_model._position_ids = language_model._rope_deltas = None
-        out = language_model(tokens, inputs_embeds=embeddings, cache=make_prompt_cache(language_model))
-        got = getattr(out, "logits", out[0] if isinstance(out, tuple) else out)
-        gap = mx.abs(expected - got).max().item()
-    if gap > 1e-5:
-        return (f"vllm-mlx's inject_mtp_support swaps mlx-vlm's Qwen3.5 language model for a forward "
-                f"that ignores the inputs_embeds it is given (max |logit diff| {gap:.3g})")
-    return None
 
 
 def engine_answers(folder, items, max_tokens: int, **engine_options):
@@ -353,9 +222,9 @@ def enable_mtp_problem(root, model_type: str = "qwen3_5", max_tokens: int = MTP_
     from mlx_vlm.prompt_utils import apply_chat_template
     from vllm_mlx.scheduler import SchedulerConfig
 
-    folder, model = vlm.write_model_folder(f"{root}/model", model_type)
+    folder, model = tiny_vlm.write_model_folder(f"{root}/model", model_type)
     write_mtp_sidecar(folder, model_type)
-    processor = vlm.vision_processor(model_type)
+    processor = batch_generate.vision_processor(model_type)
     items = image_requests()
     reference = [alone_with_images(model, processor, text, images, max_tokens) for text, images in items]
     sent = [(apply_chat_template(processor, model.config, text, num_images=len(images or ())),
