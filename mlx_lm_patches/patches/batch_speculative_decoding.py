@@ -145,14 +145,16 @@ def _batch_next(wrapped, instance, args, kwargs):
             instance._num_tokens[i] += 1
             if instance._num_tokens[i] >= instance.max_tokens[i]:
                 finish = "length"
-            if instance._matchers[i].advance(token):
-                finish = "stop"
-            if finish is None:
-                responses.append(instance.Response(instance.uids[i], token, logprobs, None, None, None))
-                continue
-            cache, held = spec.finished_row(instance, i, discarded=len(tokens) - j - 1)
-            responses.append(instance.Response(instance.uids[i], token, logprobs, finish, cache, held))
-            break
+            stopped, matched = _stop(instance, i, token)
+            finish = "stop" if stopped else finish
+            response = dict(uid=instance.uids[i], token=token, logprobs=logprobs, finish_reason=finish,
+                            prompt_cache=None, all_tokens=None, **matched)
+            if finish is not None:
+                response["prompt_cache"], response["all_tokens"] = spec.finished_row(
+                    instance, i, discarded=len(tokens) - j - 1)
+            responses.append(instance.Response(**response))
+            if finish is not None:
+                break
         if finish is None:
             keep.append(i)
     instance._next_tokens = mx.array([p[-1][0] for p in spec.pending])
@@ -160,6 +162,16 @@ def _batch_next(wrapped, instance, args, kwargs):
     if len(keep) < len(instance.uids):
         instance.filter(keep)
     return responses
+
+
+def _stop(batch, i, token):
+    """Whether ``token`` ends row ``i`` on a stop sequence, and the response fields the release
+    reports with it: 0.32 matches ``StopSequences``; 0.31.2-0.31.3 run a state machine whose
+    state and match go into every response."""
+    if hasattr(batch, "_matchers"):
+        return batch._matchers[i].advance(token), {}
+    batch._matcher_states[i], match, state = batch.state_machines[i].match(batch._matcher_states[i], token)
+    return match is not None and state is None, {"current_state": state, "match_sequence": match}
 
 
 def _forget_server_draft(model):
@@ -223,8 +235,8 @@ def scenario():
     from mlx_lm_patches.selftest.tiny_models import DENSE_MODEL_TYPE, available_model_types, build_tiny_model, nearby_model
     from mlx_lm_patches.mechanisms.adaptive import forced
 
-    if not hasattr(sys.modules[GENERATE], "StopSequences"):
-        return Outcome.not_applicable("this mlx-lm's BatchGenerator (before 0.32.0) cannot host speculation: "
+    if not hasattr(sys.modules[GENERATE], "GenerationBatch"):
+        return Outcome.not_applicable("this mlx-lm's BatchGenerator (before 0.31.2) cannot host speculation: "
                                       "the server serves speculative requests one at a time")
     details = []
     for model_type in [t for t in ("qwen3_next",) if t in available_model_types()] + [DENSE_MODEL_TYPE]:
