@@ -73,6 +73,27 @@ def max_snapshots(environ=None) -> int:
     return setting(ROLLBACK_SNAPSHOTS, environ)
 
 
+def draft_budget(num_draft: int, longest: int, said: set) -> int:
+    """``num_draft`` capped so that a hybrid main model's rollback stays within the kept states:
+    a round of ``k`` draft tokens needs ``k + 2`` of them (``MLX_LM_PATCHES_ROLLBACK_SNAPSHOTS``).
+    Capped before the first token, with one warning per setting not yet in ``said`` (the
+    caller's record), instead of refusing in the middle of a generation. ``longest``: the longest
+    round asked for."""
+    import logging
+
+    limit = max_snapshots()
+    allowed = max(limit - 2, 0)
+    if longest <= allowed:
+        return num_draft
+    if (num_draft, allowed) not in said:
+        said.add((num_draft, allowed))
+        logging.getLogger("mlx_lm_patches").warning(
+            "mlx-lm-patches: num_draft_tokens=%d capped to %d: exact rollback of a hybrid main "
+            "model keeps at most %s=%d recurrent states, and a round of k draft tokens needs "
+            "k + 2 (raise the setting to draft more)", num_draft, allowed, SNAPSHOTS_ENV, limit)
+    return allowed
+
+
 def journal_of(caches) -> Optional["Journal"]:
     """The journal every kept cache in ``caches`` belongs to, if they share one."""
     found = {id(_journals.get(c)): _journals.get(c) for c in kept_caches(caches)}

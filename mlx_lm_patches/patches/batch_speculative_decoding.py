@@ -31,6 +31,7 @@ GENERATE = "mlx_lm.generate"
 SERVER = "mlx_lm.server"
 CACHE = "mlx_lm.models.cache"
 ATTR = "_mlx_lm_patches_speculation"
+CAPPED = "num_draft_tokens settings already reported as capped"
 
 SERVER_DRAFT = "_mlx_lm_patches_server_draft"  # on a main model the server loaded: (draft, num_draft_tokens)
 
@@ -41,13 +42,17 @@ def _speculation(batch):
     return vars(batch).get(ATTR)
 
 
-def _attach(generator, model, draft, num_draft_tokens) -> None:
+def _attach(memo, generator, model, draft, num_draft_tokens) -> None:
     from mlx_lm_patches.mechanisms.batch_speculation import Speculation, unhostable
     from mlx_lm_patches.mechanisms.caches import has_recurrent_state
+    from mlx_lm_patches.mechanisms.journal import draft_budget
 
     make_prompt_cache = sys.modules[CACHE].make_prompt_cache
     main_caches = make_prompt_cache(model, generator.max_kv_size)
     why = unhostable(main_caches) or unhostable(make_prompt_cache(draft))
+    if has_recurrent_state(main_caches):  # the same bound as one sequence's rollback (a round keeps k + 2 states)
+        num_draft_tokens = draft_budget(num_draft_tokens, num_draft_tokens, memo.setdefault(CAPPED, set()))
+        why = why or (None if num_draft_tokens else "no draft token fits the rollback budget")
     if why:
         log.warning("mlx-lm-patches: BatchGenerator with a draft model decodes without drafting: %s", why)
         return
@@ -58,7 +63,7 @@ def _attach(generator, model, draft, num_draft_tokens) -> None:
     vars(generator)[ATTR] = (len(main_caches), len(make_prompt_cache(draft)), draft)
 
 
-def _init(wrapped, instance, args, kwargs):
+def _init(memo, wrapped, instance, args, kwargs):
     draft = kwargs.pop("draft_model", None)
     num_draft_tokens = kwargs.pop("num_draft_tokens", None)
     wrapped(*args, **kwargs)
@@ -67,7 +72,7 @@ def _init(wrapped, instance, args, kwargs):
         draft, default = vars(model)[SERVER_DRAFT]
         num_draft_tokens = num_draft_tokens or default
     if draft is not None:
-        _attach(instance, model, draft, num_draft_tokens or 3)
+        _attach(memo, instance, model, draft, num_draft_tokens or 3)
 
 
 def _insert_segments(wrapped, instance, args, kwargs):
@@ -201,7 +206,7 @@ def _server_load(p, wrapped, instance, args, kwargs):
 
 
 def apply(p):
-    p.wrap(f"{GENERATE}:BatchGenerator.__init__", _init)
+    p.wrap(f"{GENERATE}:BatchGenerator.__init__", functools.partial(_init, p.memo))
     p.wrap(f"{GENERATE}:BatchGenerator.insert_segments", _insert_segments)
     p.wrap(f"{GENERATE}:BatchGenerator.extract_cache", _extract_cache)
     p.wrap(f"{GENERATE}:GenerationBatch.next", _batch_next)

@@ -28,7 +28,6 @@ Metal
     time: expect ~1e-6 rounding differences, as for dense models.
 """
 
-import logging
 import sys
 
 from mlx_lm_patches.engine.patching import property_over
@@ -38,7 +37,6 @@ CACHE = "mlx_lm.models.cache"
 GENERATE = "mlx_lm.generate"
 CAPPED = "num_draft_tokens settings already reported as capped"
 
-log = logging.getLogger("mlx_lm_patches")
 
 
 def _is_trimmable(self):
@@ -117,26 +115,12 @@ def _longest_round(num_draft, max_tokens) -> int:
 
 
 def _within_budget(num_draft, longest, memo):
-    """``num_draft`` capped so that a main model's rollback stays within the kept states: a round
-    of ``k`` draft tokens needs ``k + 2`` of them (``MLX_LM_PATCHES_ROLLBACK_SNAPSHOTS``). Capping
-    before the first token, with one warning per process and setting, instead of refusing in
-    the middle of a generation. ``longest``: the longest round asked for (:func:`_longest_round`);
-    ``memo``: the patcher's (the settings already reported)."""
-    from mlx_lm_patches.engine.env import ROLLBACK_SNAPSHOTS
-    from mlx_lm_patches.mechanisms.journal import max_snapshots
+    """``num_draft`` capped so that a main model's rollback stays within the kept states
+    (``journal.draft_budget``), one warning per process and setting; ``longest``: the longest
+    round asked for (:func:`_longest_round`); ``memo``: the patcher's (the settings reported)."""
+    from mlx_lm_patches.mechanisms.journal import draft_budget
 
-    limit = max_snapshots()
-    allowed = max(limit - 2, 0)
-    if longest <= allowed:
-        return num_draft
-    said = memo.setdefault(CAPPED, set())
-    if (num_draft, allowed) not in said:
-        said.add((num_draft, allowed))
-        log.warning(
-            "mlx-lm-patches: num_draft_tokens=%d capped to %d: exact rollback of a hybrid main "
-            "model keeps at most %s=%d recurrent states, and a round of k draft tokens needs "
-            "k + 2 (raise the setting to draft more)", num_draft, allowed, ROLLBACK_SNAPSHOTS, limit)
-    return allowed
+    return draft_budget(num_draft, longest, memo.setdefault(CAPPED, set()))
 
 
 def _speculative_with_rollback(memo, wrapped, instance, args, kwargs):
