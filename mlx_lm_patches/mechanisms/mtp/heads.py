@@ -35,8 +35,8 @@ run (``into_tree``) and ``save_model`` writes it to an ``mtp.safetensors`` sidec
 import re
 from typing import Optional
 
-from mlx_lm_patches.mechanisms.mtp.families import (FAMILIES, NOT_KEPT, NOT_READ, HeadUnsupported, family_name,
-                                                     family_of)
+from mlx_lm_patches.mechanisms.mtp.families import (FAMILIES, NOT_KEPT, NOT_READ, HeadUnsupported, declared_layers,
+                                                     family_name, family_of)
 
 MTP_KEY = re.compile(r"(^|\.)mtp\.")
 STASH = "_mlx_lm_patches_mtp_tensors"
@@ -94,17 +94,6 @@ def stash(model, tensors) -> None:
         model.__dict__.setdefault(STASH, {}).update(tensors)
 
 
-def declared_layers(config) -> int:
-    """How many MTP layers the config declares (0 if none)."""
-    text = config.get("text_config") or {}
-    for key in ("num_nextn_predict_layers", "mtp_num_hidden_layers"):
-        for source in (config, text):
-            value = source.get(key)
-            if value:
-                return int(value)
-    return 0
-
-
 def _relative(key):
     return key[MTP_KEY.search(key).end():]
 
@@ -120,11 +109,6 @@ def to_mlx_layout(tensors, model, *, mlx_layout=False) -> dict:
     """Checkpoint MTP tensors -> the head's parameter names and layout (see module docstring);
     ``mlx_layout``: the tensors are known to be in mlx-lm's layout (no per-tensor norm guess)."""
     return family_of(model).convert({_relative(k): v for k, v in tensors.items()}, mlx_layout=mlx_layout)
-
-
-def _layer_count(weights) -> int:
-    indices = {int(m.group(1)) for k in weights for m in [re.match(r"^layers\.(\d+)\.", k)] if m}
-    return max(indices) + 1 if indices else 0
 
 
 CONFIG_PREFIXES = ("mtp.", "language_model.mtp.", "model.mtp.")  # head paths in config["quantization"]
@@ -201,10 +185,10 @@ def attach(model, model_path, config, lazy=False) -> None:
             if declared else "no MTP head in this checkpoint"
         )
         return
+    family = family_of(model)
     weights = to_mlx_layout(tensors, model, mlx_layout=mlx_layout)
-    shared = [k for k in tensors if _relative(k).startswith(tuple(getattr(family_of(model), "SHARED", ())))]
-    # Qwen: one decoder layer per MTP layer; Nemotron-H: one step made of several blocks.
-    steps = (declared or 1) if model_type == "nemotron_h" else (_layer_count(weights) or max(declared, 1))
+    shared = [k for k in tensors if _relative(k).startswith(family.SHARED)]
+    steps = family.steps(declared, weights)
     try:
         head = build(model, steps, config, weights)
     except (HeadUnsupported, TypeError, ValueError) as exc:
@@ -217,11 +201,11 @@ def attach(model, model_path, config, lazy=False) -> None:
         return
     if not lazy:
         mx.eval(head.parameters())
-    note = getattr(family_of(model), "status_note", lambda _: None)(tensors)
+    note = family.status_note(tensors)
     model.__dict__["mtp"] = head
     depths = len(getattr(head, "depths", ())) + 1
     if depths > 1:  # MiMo-V2-Flash, Step-3.5: an MTP layer per draft step
-        fed = "the previous one's output" if getattr(family_of(model), "CHAINED", False) else "the model's hidden state"
+        fed = "the previous one's output" if family.CHAINED else "the model's hidden state"
         kept = f"{depths} MTP layers (draft step k with layer k, each fed {fed})"
     else:
         kept = f"{len(head.layers)} layer(s)"
