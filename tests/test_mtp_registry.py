@@ -75,7 +75,9 @@ def test_the_registry_refuses_a_model_type_twice():
     from mlx_lm_patches.mechanisms.mtp.families.base import register
 
     class Again(MtpFamily):
-        MODEL_TYPES = (families.model_types()[0],)
+        MODEL_TYPES = ("not_a_model_type", families.model_types()[0])
 
+    before = dict(families.FAMILIES)
     with pytest.raises(TypeError, match="registered twice"):
         register(Again)
+    assert families.FAMILIES == before

@@ -158,10 +158,10 @@ def register(cls):
     undeclared = sorted(set(cls.SHARDS + cls.SUBCLASSES) - set(cls.MODEL_TYPES))
     if undeclared:
         raise TypeError(f"{cls.__name__}: SHARDS / SUBCLASSES name {', '.join(undeclared)}, not in its MODEL_TYPES")
+    taken = [t for t in cls.MODEL_TYPES if t in REGISTRY]
+    if taken:
+        raise TypeError(f"model type {taken[0]!r} is registered twice: by "
+                        f"{type(REGISTRY[taken[0]]).__name__} and {cls.__name__}")
     family = cls()
-    for model_type in cls.MODEL_TYPES:
-        if model_type in REGISTRY:
-            raise TypeError(f"model type {model_type!r} is registered twice: by "
-                            f"{type(REGISTRY[model_type]).__name__} and {cls.__name__}")
-        REGISTRY[model_type] = family
+    REGISTRY.update((model_type, family) for model_type in cls.MODEL_TYPES)
     return cls
