@@ -35,7 +35,7 @@ UTILS = "mlx_lm.utils"
 
 def _sanitize_without_mtp(wrapped, instance, args, kwargs):
     from mlx_lm_patches.mechanisms.mtp.families import family_of
-    from mlx_lm_patches.mechanisms.mtp.heads import SOURCE, for_stock_sanitize, split, stash
+    from mlx_lm_patches.mechanisms.mtp.heads import SOURCE, split, stash
 
     weights = args[0] if args else kwargs.pop("weights")
     backbone, mtp = split(weights)
@@ -50,9 +50,10 @@ def _sanitize_without_mtp(wrapped, instance, args, kwargs):
         if layer:
             instance.__dict__[SOURCE] = family.source(instance)
             mtp = dict(mtp, **layer)
+        backbone = family.for_stock_sanitize(instance, backbone, mtp)  # (Qwen3.5: an MTP tensor as stock's HF sign)
     if instance is not None:
         stash(instance, mtp)
-    return wrapped(for_stock_sanitize(instance, backbone, mtp), *args[1:], **kwargs)
+    return wrapped(backbone, *args[1:], **kwargs)
 
 
 def _load_model_with_mtp(wrapped, instance, args, kwargs, track=None):

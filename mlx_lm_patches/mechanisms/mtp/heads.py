@@ -56,38 +56,6 @@ def split(weights):
     return {k: v for k, v in weights.items() if k not in mtp}, mtp
 
 
-# Qwen3.5 / Qwen3.5-MoE: stock ``sanitize`` (0.30.7 - 0.31.3) takes any ``mtp.`` key as the sign
-# of a Hugging Face checkpoint whose norms it must shift by +1 (and drops the ``mtp.`` keys itself).
-HF_SIGNAL_FAMILIES = ("qwen3_5", "qwen3_5_moe")
-_MLX_PREFIX = "language_model."  # every backbone key of a checkpoint mlx-lm (or mlx-vlm) saved
-_SKIPPED_PREFIXES = ("vision_tower", "model.visual")  # dropped by stock before it looks
-
-
-def is_hf_layout(backbone) -> bool:
-    """Whether the Qwen3.5 backbone tensors are named as in a Hugging Face checkpoint
-    (``model.language_model.``, or text-only ``model.`` / ``lm_head.``): any key outside
-    ``language_model.`` that stock keeps. MLX-saved checkpoints name every one
-    ``language_model.``."""
-    return any(not k.startswith(_MLX_PREFIX) and not k.startswith(_SKIPPED_PREFIXES) for k in backbone)
-
-
-def for_stock_sanitize(model, backbone, mtp):
-    """The tensors the family's stock ``sanitize`` is given once the MTP tensors are set aside.
-
-    For Qwen3.5 / Qwen3.5-MoE stock reads "has ``mtp.`` keys" as "HF checkpoint: shift the
-    norms" (0.30.7 - 0.31.3; 0.32 reads the conv1d layout only). So one MTP tensor goes along
-    - stock drops it itself - whenever the backbone is in HF layout: there stock's decision,
-    and so its result, is exactly what it would be with the whole head present (a convert of an
-    HF checkpoint shifts its norms once, as upstream's
-    ``test_qwen3_5_family_convert_then_load_norm_not_shift_twice`` pins). A backbone already in
-    MLX layout gets none: there the signal is wrong and stock would shift shifted norms a second
-    time (the corruption this patch removes)."""
-    if not mtp or getattr(model, "model_type", None) not in HF_SIGNAL_FAMILIES or not is_hf_layout(backbone):
-        return backbone
-    key = min(mtp)
-    return dict(backbone, **{key: mtp[key]})
-
-
 def stash(model, tensors) -> None:
     """Set MTP tensors aside on the model instance (not in its parameter tree)."""
     if tensors:

@@ -93,6 +93,11 @@ class MtpFamily:
         raise NotImplementedError(f"{type(self).__name__} does not give the vocabulary size")
 
     # -- optional, with defaults -------------------------------------------------------------------
+    def for_stock_sanitize(self, model, backbone, mtp):
+        """What the family's stock ``sanitize`` is given once the MTP tensors (``mtp``) are set
+        aside: the backbone's tensors."""
+        return backbone
+
     def sanitize_head(self, model, tensors, stock_sanitize):
         """The ``mtp.`` tensors before they are set aside, through what of the release's own
         ``sanitize`` (``stock_sanitize``) applies to them (e.g. fp8 dequantization): as they are."""

@@ -15,6 +15,9 @@ class Qwen(MtpFamily):
 
     MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
     SHARDS = ("qwen3_5",)  # (qwen3_5_moe's Model inherits it)
+    # Qwen3.5 / Qwen3.5-MoE: stock ``sanitize`` (0.30.7 - 0.31.3) takes any ``mtp.`` key as the sign
+    # of a Hugging Face checkpoint whose norms it must shift by +1 (and drops the ``mtp.`` keys itself).
+    _HF_SIGNAL = ("qwen3_5", "qwen3_5_moe")
     _FUSED = re.compile(r"^(layers\.\d+\.mlp)\.experts\.(gate_up_proj|down_proj)(?:\.weight)?$")
 
     @staticmethod
@@ -29,6 +32,22 @@ class Qwen(MtpFamily):
         from mlx_lm.models.qwen3_5 import DecoderLayer
 
         return DecoderLayer
+
+    def for_stock_sanitize(self, model, backbone, mtp):
+        """What the family's stock ``sanitize`` is given once the MTP tensors are set aside.
+
+        For Qwen3.5 / Qwen3.5-MoE stock reads "has ``mtp.`` keys" as "HF checkpoint: shift the
+        norms" (0.30.7 - 0.31.3; 0.32 reads the conv1d layout only). So one MTP tensor goes along
+        - stock drops it itself - whenever the backbone is in HF layout: there stock's decision,
+        and so its result, is exactly what it would be with the whole head present (a convert of an
+        HF checkpoint shifts its norms once, as upstream's
+        ``test_qwen3_5_family_convert_then_load_norm_not_shift_twice`` pins). A backbone already in
+        MLX layout gets none: there the signal is wrong and stock would shift shifted norms a second
+        time (the corruption this patch removes)."""
+        if not mtp or getattr(model, "model_type", None) not in self._HF_SIGNAL or not is_hf_layout(backbone):
+            return backbone
+        key = min(mtp)
+        return dict(backbone, **{key: mtp[key]})
 
     def build(self, model, config, weights, n_layers):
         import mlx.nn as nn
@@ -95,3 +114,15 @@ class Qwen(MtpFamily):
 
     def vocab_size(self, model):
         return self._text(model).args.vocab_size
+
+
+_MLX_PREFIX = "language_model."  # every backbone key of a checkpoint mlx-lm (or mlx-vlm) saved
+_SKIPPED_PREFIXES = ("vision_tower", "model.visual")  # dropped by stock before it looks
+
+
+def is_hf_layout(backbone) -> bool:
+    """Whether the Qwen3.5 backbone tensors are named as in a Hugging Face checkpoint
+    (``model.language_model.``, or text-only ``model.`` / ``lm_head.``): any key outside
+    ``language_model.`` that stock keeps. MLX-saved checkpoints name every one
+    ``language_model.``."""
+    return any(not k.startswith(_MLX_PREFIX) and not k.startswith(_SKIPPED_PREFIXES) for k in backbone)
