@@ -3,7 +3,7 @@ a patch never imports another patch (shared code lives in ``mechanisms/``), a me
 never imports a patch or the self-test kit (``selftest/``, what ``check`` runs; the helpers a
 production probe runs live in ``mechanisms/probing/``), and the kit never imports a patch. A
 patch imports the kit only inside its ``scenario`` (and what only the scenario calls): never
-at import, nor in ``probe`` or ``apply``.
+at import, nor in ``probe`` or ``apply``. No mechanism imports one that imports it back.
 """
 
 import ast
@@ -109,3 +109,31 @@ def test_the_exceptions_are_still_needed():
         importer = _module_name(path)
         needed |= {(importer, imported) for imported in _imports(path)}
     assert EXCEPTIONS <= needed, EXCEPTIONS - needed
+
+
+def _import_cycles(package: str):
+    """The import cycles among the modules under ``package`` (each a sorted list of module names),
+    read from the source: an edge per module a module names in an import (at top level or inside
+    functions)."""
+    modules = {_module_name(path): path for path in PACKAGE.rglob("*.py") if _under(_module_name(path), package)}
+    edges = {name: {m for m in _imports(path) if m in modules and m != name} for name, path in modules.items()}
+
+    def reachable(start):
+        seen, todo = set(), [start]
+        while todo:
+            for following in edges[todo.pop()] - seen:
+                seen.add(following)
+                todo.append(following)
+        return seen
+
+    cycles = []
+    for name in sorted(modules):
+        if name in reachable(name) and not any(name in cycle for cycle in cycles):
+            cycles.append(sorted(m for m in reachable(name) if name in reachable(m)))
+    return cycles
+
+@pytest.mark.python_only
+def test_no_import_cycle_among_the_mechanisms():
+    """No module of ``mechanisms/`` imports one that imports it back, directly or through others
+    (e.g. ``mtp.heads`` reads the families; the families never read ``heads``)."""
+    assert _import_cycles(MECHANISMS) == []

@@ -112,7 +112,7 @@ def test_draft_proposals_are_the_heads_predictions_at_the_committed_position(loa
     assert len(proposals) >= 3
     assert any(from_draft for _, _, from_draft in steps) == hinted
     model(mx.array(sequence)[None])  # cold forward: the capture records every position
-    kind = getattr(family_of(model), "HIDDEN", "post")  # the hidden state the draft reads by default
+    kind = family_of(model).HIDDEN  # the hidden state the draft reads by default
     hidden = model.hidden_states()[kind]
     logits, _ = mtp_forward(model, hidden[:, :-1], mx.array(sequence[1:])[None], model.make_mtp_cache())
     checked = [(c, row) for c, row in proposals if c < len(sequence)]  # x_C must be in the sequence
@@ -139,14 +139,14 @@ def _layer_reference(model, sequence, committed, drafts, main=None):
     family = family_of(model)
     if main is None:
         model(mx.array(sequence)[None])
-        main = model.hidden_states()[getattr(family, "HIDDEN", "post")]
+        main = model.hidden_states()[family.HIDDEN]
     main = main[:, :committed]
     tokens = sequence[:committed + 1] + drafts
     hidden = main
     for depth in range(len(drafts) + 1):
         ids = mx.array(tokens[depth + 1:committed + depth + 1])[None]
         logits, _, z = _mtp_pass(model, hidden, ids, make_mtp_cache(model, depth), depth=depth)
-        hidden = z if getattr(family, "CHAINED", False) else main
+        hidden = z if family.CHAINED else main
     return logits[0, -1]
 
 
@@ -174,7 +174,7 @@ def _check_layer_proposals(model, sequence, calls, depths):
 
     checked = [(c, d, row) for c, d, row in calls if len(d) < depths and c + len(d) < len(sequence)]
     model(mx.array(sequence)[None])  # one cold pass: the main hidden states at every position
-    main = model.hidden_states()[getattr(family_of(model), "HIDDEN", "post")]
+    main = model.hidden_states()[family_of(model).HIDDEN]
     for committed, drafts, row in checked:
         expected = _layer_reference(model, sequence, committed, drafts, main)
         worst = mx.abs(row - expected).max().item()

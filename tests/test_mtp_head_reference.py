@@ -184,7 +184,7 @@ def test_mtp_forward_is_the_documented_head(tmp_path, family):
     hidden, next_ids = _head_inputs(model)
     logits, _ = model.mtp_forward(hidden, next_ids, model.make_mtp_cache())
 
-    # The documented names, read directly (not through mechanisms/mtp/families.py).
+    # The documented names, read directly (not through mechanisms/mtp/families/).
     if family == "nemotron_h":
         first = model.mtp.layers[0]
         embedding_norm, hidden_norm, projection = first.enorm, first.hnorm, first.eh_proj

@@ -27,11 +27,13 @@ import json
 import pytest
 
 from conftest import run_python, xfail_if_affected
-from mlx_lm_patches.selftest.mtp_checkpoints import (DEEPSEEK_LAYOUT, MTP_MODEL_TYPES, check_loaded,
-                                                  hf_layout_unreadable, write_mtp_checkpoint)
+from mlx_lm_patches.selftest.mtp_checkpoints import (MTP_MODEL_TYPES, check_loaded, hf_layout_unreadable,
+                                                     write_mtp_checkpoint)
 from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
 from mlx_lm_patches.selftest.scenarios import greedy
 from mlx_lm_patches.selftest.tiny_models import build_tiny_model
+from mlx_lm_patches.mechanisms.mtp.families import FAMILIES as REGISTERED
+from mlx_lm_patches.mechanisms.mtp.families._extra_layer import ExtraLayerHead
 
 
 
@@ -43,9 +45,9 @@ def _fixed_draft_length(monkeypatch):
 
     monkeypatch.setenv(env.ADAPTIVE_DRAFTING, "0")
 
-FAMILIES = [f for f in DEEPSEEK_LAYOUT + ("mimo", "ernie4_5_moe", "exaone_moe", "mimo_v2_flash", "step3p5",
-                                          "bailing_moe_v3", "longcat_flash", "longcat_flash_ngram")
-            if importlib.util.find_spec(f"mlx_lm.models.{f}") is not None]
+# every registered family whose head is one more decoder layer, that this mlx-lm has
+FAMILIES = [f for f in MTP_MODEL_TYPES if isinstance(REGISTERED[f], ExtraLayerHead)
+            and importlib.util.find_spec(f"mlx_lm.models.{f}") is not None]
 pytestmark = pytest.mark.skipif(not FAMILIES, reason="this mlx-lm has none of these families")
 
 
@@ -138,7 +140,7 @@ def _derivable(model):
     from mlx.utils import tree_flatten
 
     head, hidden = model.mtp, model.args.hidden_size
-    # the documented names and order (module docstring), read directly, not through mechanisms/mtp/families.py
+    # the documented names and order (module docstring), read directly, not through mechanisms/mtp/families/
     if model.model_type == "mimo":  # input_proj(concat[hidden_layernorm(h), token_layernorm(e)])
         projection, norms, hidden_first = head.input_proj, (head.token_layernorm, head.hidden_layernorm,
                                                             head.final_layernorm), True

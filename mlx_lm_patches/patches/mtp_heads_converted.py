@@ -106,7 +106,7 @@ def _quantizing_head_as_its_kind(wrapped, instance, args, kwargs):
     model = call.arguments.get("model")
     family = family_of(model)
     own = getattr(model, "quant_predicate", None)
-    if (call.arguments.get("quant_predicate") is None and own is not None and hasattr(family, "quant_path")
+    if (call.arguments.get("quant_predicate") is None and own is not None and family is not None
             and isinstance(model, dict) and TREE_KEY in model):
         call.arguments["quant_predicate"] = lambda path, module: own(family.quant_path(model, path), module)
     return wrapped(*call.args, **call.kwargs)

@@ -1,5 +1,5 @@
 """Checkpoints with multi-token-prediction (MTP) tensors load, with the backbone intact and the
-MTP head kept as ``model.mtp`` (the families of ``mechanisms/mtp/families.py``: Qwen3-Next,
+MTP head kept as ``model.mtp`` (the families of ``mechanisms/mtp/families/``: Qwen3-Next,
 Qwen3.5/3.6, Nemotron-H, the DeepSeek-V3 layout, MiMo, ERNIE 4.5 MoE, K-EXAONE, MiMo-V2-Flash,
 Step-3.5-Flash, Ling 3.0, LongCat-Flash and LongCat-Flash-Lite).
 
@@ -35,21 +35,25 @@ UTILS = "mlx_lm.utils"
 
 def _sanitize_without_mtp(wrapped, instance, args, kwargs):
     from mlx_lm_patches.mechanisms.mtp.families import family_of
-    from mlx_lm_patches.mechanisms.mtp.heads import SOURCE, for_stock_sanitize, split, stash
+    from mlx_lm_patches.mechanisms.mtp.heads import SOURCE, split, stash
 
     weights = args[0] if args else kwargs.pop("weights")
     backbone, mtp = split(weights)
     family = family_of(instance)
-    if hasattr(family, "sanitize_head") and mtp:  # the release's own conversion (e.g. fp8) for the head too
-        mtp = family.sanitize_head(instance, mtp, lambda w: wrapped(w, *args[1:], **kwargs))
-    if hasattr(family, "split_checkpoint"):  # the head is a layer past the backbone's last
-        backbone, layer = family.split_checkpoint(instance, backbone, lambda w: wrapped(w, *args[1:], **kwargs))
+    if family is not None:
+        def stock(w):
+            return wrapped(w, *args[1:], **kwargs)
+
+        if mtp:  # the release's own conversion (e.g. fp8) for the head too
+            mtp = family.sanitize_head(instance, mtp, stock)
+        backbone, layer = family.split_checkpoint(instance, backbone, stock)  # a head past the backbone's last layer
         if layer:
             instance.__dict__[SOURCE] = family.source(instance)
-        mtp = dict(mtp, **layer)
+            mtp = dict(mtp, **layer)
+        backbone = family.for_stock_sanitize(instance, backbone, mtp)  # (Qwen3.5: an MTP tensor as stock's HF sign)
     if instance is not None:
         stash(instance, mtp)
-    return wrapped(for_stock_sanitize(instance, backbone, mtp), *args[1:], **kwargs)
+    return wrapped(backbone, *args[1:], **kwargs)
 
 
 def _load_model_with_mtp(wrapped, instance, args, kwargs, track=None):
@@ -66,15 +70,6 @@ def _load_model_with_mtp(wrapped, instance, args, kwargs, track=None):
 
         add_interface(model, track)
     return model, config
-
-
-# Families whose Model subclasses another kept family's (glm_moe_dsa: deepseek_v32's), so that
-# their sanitize and shard may be inherited (then already wrapped there).
-SUBCLASSED_FAMILIES = ("glm_moe_dsa",)
-
-# Families whose Model.shard (tensor parallelism) the head's layers go through too (where defined).
-SHARDED_FAMILIES = ("qwen3_5", "deepseek_v3", "deepseek_v32", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "exaone_moe",
-                    "step3p5", "longcat_flash", "longcat_flash_ngram")
 
 
 def _shard_with_head(wrapped, instance, args, kwargs):
@@ -103,16 +98,16 @@ def probe():
 def apply(p):
     import importlib.util
 
-    from mlx_lm_patches.mechanisms.mtp.families import FAMILIES
+    from mlx_lm_patches.mechanisms.mtp.families import model_types, sharded_types, subclassed_types
 
-    for family in sorted(FAMILIES):  # every family whose head is kept (its sanitize is a declared target)
+    for family in model_types():  # every family whose head is kept (its sanitize is a declared target)
         if importlib.util.find_spec(f"mlx_lm.models.{family}") is None:
             continue
-        if family in SUBCLASSED_FAMILIES:  # its own sanitize if it has one, else its base's (wrapped)
+        if family in subclassed_types():  # its own sanitize if it has one, else its base's (wrapped)
             p.wrap_if_present(f"mlx_lm.models.{family}:Model.sanitize", _sanitize_without_mtp, own=True)
         else:
             p.wrap(f"mlx_lm.models.{family}:Model.sanitize", _sanitize_without_mtp)
-    for family in SHARDED_FAMILIES:  # the head's layers sharded as the backbone's
+    for family in sharded_types():  # the head's layers sharded as the backbone's (where defined)
         if importlib.util.find_spec(f"mlx_lm.models.{family}") is not None:
             p.wrap_if_present(f"mlx_lm.models.{family}:Model.shard", _shard_with_head, own=True)
     track = p.track  # revert takes the interface (and the draft's class swap) off loaded models

@@ -24,7 +24,7 @@ pass to re-run), takes the main hidden state of the last committed position, and
   tokens in the round, from its own output hidden state (recycling) and its previous draft.
 
 Contract per family (defaults, configurable with ``make_draft_model(hidden=..., fusion=...)``;
-the pieces per family are in ``mtp_families``):
+the pieces per family are in ``families/``, one module each):
 
 * Qwen3-Next, Qwen3.5/3.6:
   ``fc(concat[pre_fc_norm_embedding(embed(x_{t+1})), pre_fc_norm_hidden(h_t)])``, then the MTP
@@ -41,7 +41,7 @@ the pieces per family are in ``mtp_families``):
   layer with its own KV cache, ``shared_head.norm``, the shared ``lm_head``.
 
 In all ``h_t`` is the main model's *post*-final-norm hidden state by default (``hidden="pre"``:
-the input of the final norm; Step-3.5's default, ``HIDDEN`` of its descriptor) and the halves come in the family's order (``fusion=`` forces
+the input of the final norm; Step-3.5's default, ``HIDDEN`` of its family) and the halves come in the family's order (``fusion=`` forces
 ``"embedding-first"`` or ``"hidden-first"``).
 
 ``model.mtp_forward(hidden, next_ids, cache)``, ``model.make_mtp_cache()`` and
@@ -358,8 +358,8 @@ def _head(model):
 
 
 def _fusion_order(model, fusion):
-    """``fusion``, or the family's own order (``FUSION`` of its descriptor) when None."""
-    fusion = fusion or getattr(family_of(model), "FUSION", "embedding-first")
+    """``fusion``, or the family's own order (``FUSION`` of its family) when None."""
+    fusion = fusion or family_of(model).FUSION
     if fusion not in FUSION_ORDERS:
         raise ValueError(f"fusion={fusion!r}: expected one of {FUSION_ORDERS}")
     return fusion
@@ -381,7 +381,6 @@ def _mtp_pass(model, hidden, next_ids, cache, fusion=None, depth=0):
     """``mtp_forward``, also giving the layer's output before its final norm (what the next
     layer of a chained head takes)."""
     import mlx.core as mx
-    from mlx_lm.models.base import create_attention_mask
 
     fusion = _fusion_order(model, fusion)
     head, family = _depth_module(model, depth), family_of(model)
@@ -390,8 +389,7 @@ def _mtp_pass(model, hidden, next_ids, cache, fusion=None, depth=0):
     normed = hidden_norm(hidden)
     halves = [embedded, normed] if fusion == "embedding-first" else [normed, embedded]
     z = projection(mx.concatenate(halves, axis=-1))
-    own_mask = getattr(family, "attention_mask", None)
-    mask = (own_mask(z, cache) if own_mask else create_attention_mask(z, cache[0])) if cache else None
+    mask = family.attention_mask(z, cache) if cache else None
     window = head.__dict__.get(SLIDING_WINDOW)
     if window is not None:  # sliding layers over a plain cache: the last ``window`` keys only
         from mlx_lm.models.base import create_causal_mask
@@ -499,7 +497,7 @@ class MTPDraft:
     follows_main_model = True  # catches up from the main model's recorded passes (adaptive drafting)
 
     def __init__(self, model, hidden=None, fusion=None):
-        hidden = hidden or getattr(family_of(model), "HIDDEN", "post")  # the family's, by default
+        hidden = hidden or family_of(model).HIDDEN  # the family's, by default
         if hidden not in HIDDEN_KINDS:
             raise ValueError(f"hidden={hidden!r}: expected one of {HIDDEN_KINDS}")
         self.fusion = _fusion_order(model, fusion)
@@ -509,7 +507,7 @@ class MTPDraft:
         self.capture = install_capture(model)
         self.layers = _head(model).layers
         self.depths = depths_of(model)
-        self.chained = bool(getattr(family_of(model), "CHAINED", False))
+        self.chained = family_of(model).CHAINED
 
     def make_cache(self):
         return [MTPDraftCache([make_mtp_cache(self.main, d) for d in range(self.depths)], self.capture.count)]

@@ -35,8 +35,8 @@ run (``into_tree``) and ``save_model`` writes it to an ``mtp.safetensors`` sidec
 import re
 from typing import Optional
 
-from mlx_lm_patches.mechanisms.mtp.families import (FAMILIES, NOT_KEPT, NOT_READ, HeadUnsupported, family_name,
-                                                     family_of)
+from mlx_lm_patches.mechanisms.mtp.families import (FAMILIES, NOT_KEPT, NOT_READ, HeadUnsupported, declared_layers,
+                                                     family_name, family_of)
 
 MTP_KEY = re.compile(r"(^|\.)mtp\.")
 STASH = "_mlx_lm_patches_mtp_tensors"
@@ -56,53 +56,10 @@ def split(weights):
     return {k: v for k, v in weights.items() if k not in mtp}, mtp
 
 
-# Qwen3.5 / Qwen3.5-MoE: stock ``sanitize`` (0.30.7 - 0.31.3) takes any ``mtp.`` key as the sign
-# of a Hugging Face checkpoint whose norms it must shift by +1 (and drops the ``mtp.`` keys itself).
-HF_SIGNAL_FAMILIES = ("qwen3_5", "qwen3_5_moe")
-_MLX_PREFIX = "language_model."  # every backbone key of a checkpoint mlx-lm (or mlx-vlm) saved
-_SKIPPED_PREFIXES = ("vision_tower", "model.visual")  # dropped by stock before it looks
-
-
-def is_hf_layout(backbone) -> bool:
-    """Whether the Qwen3.5 backbone tensors are named as in a Hugging Face checkpoint
-    (``model.language_model.``, or text-only ``model.`` / ``lm_head.``): any key outside
-    ``language_model.`` that stock keeps. MLX-saved checkpoints name every one
-    ``language_model.``."""
-    return any(not k.startswith(_MLX_PREFIX) and not k.startswith(_SKIPPED_PREFIXES) for k in backbone)
-
-
-def for_stock_sanitize(model, backbone, mtp):
-    """The tensors the family's stock ``sanitize`` is given once the MTP tensors are set aside.
-
-    For Qwen3.5 / Qwen3.5-MoE stock reads "has ``mtp.`` keys" as "HF checkpoint: shift the
-    norms" (0.30.7 - 0.31.3; 0.32 reads the conv1d layout only). So one MTP tensor goes along
-    - stock drops it itself - whenever the backbone is in HF layout: there stock's decision,
-    and so its result, is exactly what it would be with the whole head present (a convert of an
-    HF checkpoint shifts its norms once, as upstream's
-    ``test_qwen3_5_family_convert_then_load_norm_not_shift_twice`` pins). A backbone already in
-    MLX layout gets none: there the signal is wrong and stock would shift shifted norms a second
-    time (the corruption this patch removes)."""
-    if not mtp or getattr(model, "model_type", None) not in HF_SIGNAL_FAMILIES or not is_hf_layout(backbone):
-        return backbone
-    key = min(mtp)
-    return dict(backbone, **{key: mtp[key]})
-
-
 def stash(model, tensors) -> None:
     """Set MTP tensors aside on the model instance (not in its parameter tree)."""
     if tensors:
         model.__dict__.setdefault(STASH, {}).update(tensors)
-
-
-def declared_layers(config) -> int:
-    """How many MTP layers the config declares (0 if none)."""
-    text = config.get("text_config") or {}
-    for key in ("num_nextn_predict_layers", "mtp_num_hidden_layers"):
-        for source in (config, text):
-            value = source.get(key)
-            if value:
-                return int(value)
-    return 0
 
 
 def _relative(key):
@@ -120,11 +77,6 @@ def to_mlx_layout(tensors, model, *, mlx_layout=False) -> dict:
     """Checkpoint MTP tensors -> the head's parameter names and layout (see module docstring);
     ``mlx_layout``: the tensors are known to be in mlx-lm's layout (no per-tensor norm guess)."""
     return family_of(model).convert({_relative(k): v for k, v in tensors.items()}, mlx_layout=mlx_layout)
-
-
-def _layer_count(weights) -> int:
-    indices = {int(m.group(1)) for k in weights for m in [re.match(r"^layers\.(\d+)\.", k)] if m}
-    return max(indices) + 1 if indices else 0
 
 
 CONFIG_PREFIXES = ("mtp.", "language_model.mtp.", "model.mtp.")  # head paths in config["quantization"]
@@ -201,10 +153,10 @@ def attach(model, model_path, config, lazy=False) -> None:
             if declared else "no MTP head in this checkpoint"
         )
         return
+    family = family_of(model)
     weights = to_mlx_layout(tensors, model, mlx_layout=mlx_layout)
-    shared = [k for k in tensors if _relative(k).startswith(tuple(getattr(family_of(model), "SHARED", ())))]
-    # Qwen: one decoder layer per MTP layer; Nemotron-H: one step made of several blocks.
-    steps = (declared or 1) if model_type == "nemotron_h" else (_layer_count(weights) or max(declared, 1))
+    shared = [k for k in tensors if _relative(k).startswith(family.SHARED)]
+    steps = family.steps(declared, weights)
     try:
         head = build(model, steps, config, weights)
     except (HeadUnsupported, TypeError, ValueError) as exc:
@@ -217,11 +169,11 @@ def attach(model, model_path, config, lazy=False) -> None:
         return
     if not lazy:
         mx.eval(head.parameters())
-    note = getattr(family_of(model), "status_note", lambda _: None)(tensors)
+    note = family.status_note(tensors)
     model.__dict__["mtp"] = head
     depths = len(getattr(head, "depths", ())) + 1
     if depths > 1:  # MiMo-V2-Flash, Step-3.5: an MTP layer per draft step
-        fed = "the previous one's output" if getattr(family_of(model), "CHAINED", False) else "the model's hidden state"
+        fed = "the previous one's output" if family.CHAINED else "the model's hidden state"
         kept = f"{depths} MTP layers (draft step k with layer k, each fed {fed})"
     else:
         kept = f"{len(head.layers)} layer(s)"
