@@ -14,11 +14,14 @@ Fix
     draft caches, as ``mlx_lm.server``'s one-at-a-time path stores them, and a supplied cache of
     that shape gives the main model its part. The server (not distributed, a draft path, not
     ``mtp``) keeps batching and hands its generator the draft and ``--num-draft-tokens``. Caches
-    other than ``KVCache`` and ``ArraysCache`` (rotating windows, cache lists) leave the
+    other than ``KVCache`` and ``ArraysCache`` (rotating windows, quantized caches) leave the
     generator decoding plainly, batched, with one warning.
 
 Retire
     When mlx-lm's ``BatchGenerator`` speculates itself.
+
+Metal
+    The models' own forwards; moving a row inside its attention cache is an mlx gather.
 """
 
 import functools
