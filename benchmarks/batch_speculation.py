@@ -79,24 +79,19 @@ class Hinted:
 
 
 def greedy_batch(model, prompts, tokens):
-    from mlx_lm.generate import BatchGenerator
-
-    gen = BatchGenerator(model, max_tokens=tokens)
-    uids = gen.insert([list(p) for p in prompts], [tokens] * len(prompts))
-    out = {u: [] for u in uids}
-    done = 0
-    while done < len(uids):
-        for r in gen.next_generated():
-            out[r.uid].append(int(r.token))
-            done += r.finish_reason is not None
-    gen.close()
-    return [out[u] for u in uids]
+    return _batch(model, prompts, tokens)
 
 
 def spec_batch(model, draft, prompts, tokens, k):
+    return _batch(model, prompts, tokens, draft=draft, num_draft_tokens=k)
+
+
+def _batch(model, prompts, tokens, draft=None, **options):
+    """Every prompt through one ``BatchGenerator`` (with ``draft_model=draft`` if given): each
+    row's tokens. A ``Hinted`` draft is told which request each batch row is, round by round."""
     from mlx_lm.generate import BatchGenerator
 
-    gen = BatchGenerator(model, max_tokens=tokens, draft_model=draft, num_draft_tokens=k)
+    gen = BatchGenerator(model, max_tokens=tokens, **(dict(draft_model=draft, **options) if draft else {}))
     uids = gen.insert([list(p) for p in prompts], [tokens] * len(prompts))
     out = {u: [] for u in uids}
     done = 0
@@ -104,8 +99,8 @@ def spec_batch(model, draft, prompts, tokens, k):
         for r in gen.next_generated():
             out[r.uid].append(int(r.token))
             done += r.finish_reason is not None
-        left = [u for u in gen._generation_batch.uids]
-        draft.rows = [uids.index(u) for u in left]
+        if draft is not None:
+            draft.rows = [uids.index(u) for u in gen._generation_batch.uids]
     gen.close()
     return [out[u] for u in uids]
 

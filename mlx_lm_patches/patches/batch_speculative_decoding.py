@@ -27,6 +27,7 @@ Metal
 import functools
 import logging
 import sys
+import types
 
 from mlx_lm_patches.engine.contract import Outcome
 
@@ -45,7 +46,12 @@ def _speculation(batch):
     return vars(batch).get(ATTR)
 
 
-def _attach(memo, generator, model, draft, num_draft_tokens) -> None:
+def _detach(batch) -> None:
+    vars(batch).pop(ATTR, None)
+    vars(batch).pop("next", None)
+
+
+def _attach(p, generator, model, draft, num_draft_tokens) -> None:
     from mlx_lm_patches.mechanisms.batch_speculation import Speculation, unhostable
     from mlx_lm_patches.mechanisms.caches import has_recurrent_state
     from mlx_lm_patches.mechanisms.journal import draft_budget
@@ -54,19 +60,23 @@ def _attach(memo, generator, model, draft, num_draft_tokens) -> None:
     main_caches = make_prompt_cache(model, generator.max_kv_size)
     why = unhostable(main_caches) or unhostable(make_prompt_cache(draft))
     if has_recurrent_state(main_caches):  # the same bound as one sequence's rollback (a round keeps k + 2 states)
-        num_draft_tokens = draft_budget(num_draft_tokens, num_draft_tokens, memo.setdefault(CAPPED, set()))
+        num_draft_tokens = draft_budget(num_draft_tokens, num_draft_tokens, p.memo.setdefault(CAPPED, set()))
         why = why or (None if num_draft_tokens else "no draft token fits the rollback budget")
     if why:
         log.warning("mlx-lm-patches: BatchGenerator with a draft model decodes without drafting: %s", why)
         return
     spec = Speculation(draft, num_draft_tokens, generator.prefill_step_size, has_recurrent_state(main_caches))
-    vars(generator._generation_batch)[ATTR] = spec
+    batch = generator._generation_batch
+    vars(batch)[ATTR] = spec
+    # only this generator's batch decodes speculatively: plain batches never call into the package
+    vars(batch)["next"] = types.MethodType(_speculative_next, batch)
+    p.track(batch, _detach, "a generation batch that speculates with a draft model")
     log.debug("mlx-lm-patches: BatchGenerator speculates with a draft model, up to %d draft tokens a round",
               spec.most)
     vars(generator)[ATTR] = (len(main_caches), len(make_prompt_cache(draft)), draft)
 
 
-def _init(memo, wrapped, instance, args, kwargs):
+def _init(p, wrapped, instance, args, kwargs):
     draft = kwargs.pop("draft_model", None)
     num_draft_tokens = kwargs.pop("num_draft_tokens", None)
     wrapped(*args, **kwargs)
@@ -75,7 +85,7 @@ def _init(memo, wrapped, instance, args, kwargs):
         draft, default = vars(model)[SERVER_DRAFT]
         num_draft_tokens = num_draft_tokens or default
     if draft is not None:
-        _attach(memo, instance, model, draft, num_draft_tokens or 3)
+        _attach(p, instance, model, draft, num_draft_tokens or 3)
 
 
 def _insert_segments(wrapped, instance, args, kwargs):
@@ -139,10 +149,11 @@ def _batch_filter(wrapped, instance, args, kwargs):
     return out
 
 
-def _batch_next(wrapped, instance, args, kwargs):
+def _speculative_next(instance):
+    """``GenerationBatch.next`` of a batch that speculates: one round, every row's tokens."""
     spec = _speculation(instance)
     if spec is None or not instance.uids:
-        return wrapped(*args, **kwargs)
+        return type(instance).next(instance)
     import mlx.core as mx
 
     emitted = spec.round(instance)
@@ -209,10 +220,9 @@ def _server_load(p, wrapped, instance, args, kwargs):
 
 
 def apply(p):
-    p.wrap(f"{GENERATE}:BatchGenerator.__init__", functools.partial(_init, p.memo))
+    p.wrap(f"{GENERATE}:BatchGenerator.__init__", functools.partial(_init, p))
     p.wrap(f"{GENERATE}:BatchGenerator.insert_segments", _insert_segments)
     p.wrap(f"{GENERATE}:BatchGenerator.extract_cache", _extract_cache)
-    p.wrap(f"{GENERATE}:GenerationBatch.next", _batch_next)
     p.wrap(f"{GENERATE}:GenerationBatch.extend", _batch_extend)
     p.wrap(f"{GENERATE}:GenerationBatch.filter", _batch_filter)
     p.wrap(f"{GENERATE}:GenerationBatch.extract_cache", _batch_extract)
