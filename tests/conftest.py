@@ -108,13 +108,26 @@ def run_forked(programs, env=None, timeout=600):
         return {name: Ran(codes[name], read(name, "out"), read(name, "err")) for name in programs}
 
 
+def judged_ids(config) -> list:
+    """The patches this session judges (matrix order): all, or with ``--judge-only-packages``
+    those whose ``package`` is one of the named distributions."""
+    from mlx_lm_patches.engine import matrix
+
+    only = config.getoption("--judge-only-packages")
+    packages = set(only.split(",")) if only else None
+    return [spec.id for spec in matrix.load().patches if packages is None or spec.package in packages]
+
+
 @pytest.fixture(scope="session")
-def check_report():
+def check_report(request):
     """``python -m mlx_lm_patches check --json`` (the main job) in a fresh interpreter, once per
     session: each patch judged alone, its scenario run on stock mlx-lm and with the patch. The
     matrix cells (tests/test_matrix_cells.py) and the CLI test (tests/test_cli.py) read it, so
-    every scenario runs twice per row, not four times. Adds ``returncode`` and ``stderr``."""
-    ran = run_python(None, "-m", "mlx_lm_patches", "check", "--json", timeout=1200)
+    every scenario runs twice per row, not four times. Adds ``returncode`` and ``stderr``. With
+    ``--judge-only-packages``, the patches of those packages only."""
+    only = request.config.getoption("--judge-only-packages")
+    ids = judged_ids(request.config) if only else []
+    ran = run_python(None, "-m", "mlx_lm_patches", "check", "--json", *ids, timeout=1200)
     try:
         report = json.loads(ran.stdout)
     except ValueError:
@@ -208,11 +221,22 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.python_only)
         if item.path.name in CORE:
             item.add_marker(pytest.mark.core)
+    if config.getoption("--judge-only-packages"):
+        judged = set(judged_ids(config))
+        other = [item for item in items
+                 if "pid" in getattr(getattr(item, "callspec", None), "params", {}) and item.callspec.params["pid"] not in judged]
+        if other:
+            config.hook.pytest_deselected(items=other)
+            items[:] = [item for item in items if item not in other]
 
 
 def pytest_addoption(parser):
     parser.addoption("--full-sweeps", action="store_true",
                      help="run every family of a family sweep on this row (see tests/support/sweeps.py)")
+    parser.addoption("--judge-only-packages", metavar="NAMES", default="",
+                     help="judge (check, matrix cells, probe traces) only the patches of these distributions, "
+                          "comma-separated: a package row whose mlx-lm and mlx have a row of their own "
+                          "(tools/run_matrix.py), where the other patches are judged")
 
 
 @pytest.fixture(autouse=True)

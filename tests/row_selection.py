@@ -4,6 +4,9 @@ selection from the row's attributes and these names. Plain data: read by both wi
 mlx, mlx-lm or pytest.
 
 * ``python_only``: depends on the Python version, not on mlx-lm's: one row per Python runs it.
+  The text reports of ``status`` and ``check`` are among them: what they say depends on the
+  release and is asserted on every row through ``--json`` (``test_cli.py``, the matrix cells);
+  how they lay it out does not.
 * ``core``: every row runs it, ``suite: core`` rows included: the matrix cells (each patch's
   scenario stock and patched, through ``check``), the probes' traces, decoding's calls per
   token, and what changes with each release beside the patches' scenarios: batching, cache
@@ -24,6 +27,8 @@ PYTHON_ONLY = (
     "test_cli.py::test_status_exits_non_zero_when_a_patch_failed",
     "test_cli.py::test_check_unknown_id_is_a_clear_error",
     "test_cli.py::test_table_matches_matrix",
+    "test_cli.py::test_status_text_is_a_summary_line_then_rows_within_100_columns",
+    "test_cli.py::test_check_text_report",
 )
 
 CORE = (

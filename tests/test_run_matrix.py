@@ -175,3 +175,34 @@ def test_rows_are_the_matrix_rows_and_every_selected_file_exists(run_matrix):
     assert not missing, missing
     with_vlm = run_matrix.row_selection().package_row_files(["mlx-vlm"])
     assert with_vlm[-1] == "tests/test_mlx_vlm_batching.py" and "tests/test_matrix_cells.py" in with_vlm
+
+
+def test_a_package_row_judges_only_its_packages_where_its_versions_have_a_row_of_their_own(run_matrix):
+    """On the real matrix: mlx-vlm rows on mlx-lm 0.32.2 with mlx 0.32.4 (a row of its own) judge
+    only mlx-vlm's patches; a package row whose mlx-lm and mlx pair is found nowhere else judges
+    every patch; rows without packages judge every patch."""
+    rows = run_matrix.load_rows()
+    run_matrix.mark_package_judging(rows)
+    plain = {(r["mlx_lm"], r["mlx"]) for r in rows if not r["packages"]}
+    with_packages = [r for r in rows if r["packages"]]
+    assert with_packages and not any(r["judges_only_packages"] for r in rows if not r["packages"])
+    for row in with_packages:
+        assert row["judges_only_packages"] == ((row["mlx_lm"], row["mlx"]) in plain), row["name"]
+    assert any(r["judges_only_packages"] for r in with_packages)
+
+
+def test_judging_only_a_package_deselects_the_other_patches_cells(tmp_path):
+    """``--judge-only-packages=mlx-vlm`` on a real collection: the matrix cells and probe traces
+    left are exactly mlx-vlm's patches'."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+    from mlx_lm_patches.engine import matrix
+
+    ran = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                          "--judge-only-packages=mlx-vlm", "tests/test_matrix_cells.py"],
+                         capture_output=True, text=True, cwd=REPO)
+    assert ran.returncode == 0, ran.stdout[-2000:] + ran.stderr[-2000:]
+    pids = {line.rsplit("[", 1)[1].rstrip("]") for line in ran.stdout.splitlines() if "::" in line and "[" in line}
+    assert pids == {spec.id for spec in matrix.load().patches if spec.package == "mlx-vlm"}

@@ -37,6 +37,8 @@ What keeps a full run inside CI's budget (2 cores), without dropping a cell:
   that only pairs the same release with a newer mlx; that row runs everything else in-process.
 * A row with further ``packages`` runs the tests of those packages, the matrix cells, the CLI and
   the probes' traces: everything else is its mlx-lm release's, proven on the release's own row.
+  Where its mlx-lm and mlx also make a row without packages, it judges only its packages'
+  patches (``--judge-only-packages``): the others' cells are that row's.
 * Which tests are ``core``, ``python_only`` or a package row's is declared once, in
   tests/row_selection.py (tests/conftest.py marks the tests from it); the rows are read through
   the package's own matrix reader (``mlx_lm_patches.engine.matrix``).
@@ -238,6 +240,8 @@ def session(row, prefetch: Prefetch, rows, index, pytest_args) -> dict:
             selection = ["-m", marks] if (marks := marker_expression(row)) else []
             if row["packages"] and not row["python_only"] and not pytest_args:
                 selection += row_selection().package_row_files([name for name, _ in row["packages"]])
+            if row["judges_only_packages"] and not pytest_args:
+                selection.append("--judge-only-packages=" + ",".join(name for name, _ in row["packages"]))
             tested = True
             rc = _step(out, [str(venv / "bin" / "pytest"), "-q", "-p", "no:cacheprovider", "-rfE", "--durations=40", *selection, *pytest_args],
                        test_env, cwd=str(REPO))
@@ -328,6 +332,15 @@ def mark_upstream_rows(rows) -> None:
         row["upstream_tests"] = best.get(row["mlx_lm"]) is row
 
 
+def mark_package_judging(rows) -> None:
+    """``judges_only_packages``: a row with further packages whose mlx-lm and mlx are also a row
+    without them. It judges (``check``, the matrix cells, the probes' traces) only the patches
+    of its packages: the other patches' cells are the same versions' cells, judged on that row."""
+    plain = {(row["mlx_lm"], row["mlx"]) for row in rows if not row["packages"]}
+    for row in rows:
+        row["judges_only_packages"] = bool(row["packages"]) and (row["mlx_lm"], row["mlx"]) in plain
+
+
 def mark_mlx_twins(rows) -> None:
     """``mlx_twin``: a row without further packages whose mlx-lm release has its own full row
     (the one that runs the upstream tests, with the release-time mlx): it only adds a newer mlx,
@@ -392,6 +405,7 @@ def main() -> int:
     mark_python_only_rows(rows)
     mark_upstream_rows(rows)
     mark_mlx_twins(rows)
+    mark_package_judging(rows)
     if args.select:
         rows = [row for row in rows if args.select in row["name"]]
     if not rows:
