@@ -55,6 +55,13 @@ PACKAGES = {
 }
 
 
+def core_row_files(python_only: bool) -> list:
+    """The test files (paths from the repository root) a ``suite: core`` row collects: its
+    selection is by marker, and naming the files spares collecting (importing) the others."""
+    names = list(CORE) + ([entry.split("::")[0] for entry in PYTHON_ONLY] if python_only else [])
+    return [f"tests/{name}" for name in dict.fromkeys(names)]
+
+
 def package_row_files(packages) -> list:
     """The test files (paths from the repository root) a row with further ``packages`` (names)
     runs."""

@@ -206,3 +206,13 @@ def test_judging_only_a_package_deselects_the_other_patches_cells(tmp_path):
     assert ran.returncode == 0, ran.stdout[-2000:] + ran.stderr[-2000:]
     pids = {line.rsplit("[", 1)[1].rstrip("]") for line in ran.stdout.splitlines() if "::" in line and "[" in line}
     assert pids == {spec.id for spec in matrix.load().patches if spec.package == "mlx-vlm"}
+
+
+def test_a_core_row_names_every_file_its_markers_select():
+    """A ``core`` row names its files (collecting only those): every CORE file, and on its
+    Python's ``python_only`` row every file holding a ``python_only`` test."""
+    import row_selection
+
+    plain, with_python = row_selection.core_row_files(False), row_selection.core_row_files(True)
+    assert plain == [f"tests/{name}" for name in row_selection.CORE]
+    assert set(with_python) == set(plain) | {f"tests/{entry.split('::')[0]}" for entry in row_selection.PYTHON_ONLY}

@@ -238,6 +238,8 @@ def session(row, prefetch: Prefetch, rows, index, pytest_args) -> dict:
             test_env = dict(env, MLX_LM_PATCHES_STRICT="1", MLX_LM_PATCHES_EXPECT_INSTALLED="1", TMPDIR=str(tmp),
                             VIRTUAL_ENV=str(venv), PATH=f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}")
             selection = ["-m", marks] if (marks := marker_expression(row)) else []
+            if row["suite"] == "core" and not row["packages"] and not pytest_args:
+                selection += row_selection().core_row_files(row["python_only"])
             if row["packages"] and not row["python_only"] and not pytest_args:
                 selection += row_selection().package_row_files([name for name, _ in row["packages"]])
             if row["judges_only_packages"] and not pytest_args:
