@@ -153,11 +153,15 @@ def test_a_row_with_logits_processors_and_one_with_its_own_sampler():
 def test_the_extracted_cache_is_main_then_draft_and_continues_exactly(model_type):
     """A finished row's cache is its main caches then its draft's (what the server's
     one-at-a-time path stores) and holds exactly the row's ``all_tokens``; inserted again for a
-    follow-up it gives greedy decoding of the whole conversation."""
+    follow-up it gives greedy decoding of the whole conversation, and the draft starts from its
+    part: it is fed the follow-up's tokens only."""
     from mlx_lm.generate import BatchGenerator
     from mlx_lm.models.cache import make_prompt_cache
 
+    from support.counting import CountingModel
+
     model, draft = _models(model_type)
+    draft = CountingModel(draft)
     n_main, n_draft = len(make_prompt_cache(model)), len(make_prompt_cache(draft))
     with forced(SCHEDULE):
         gen = BatchGenerator(model, max_tokens=10, draft_model=draft, num_draft_tokens=3)
@@ -172,10 +176,37 @@ def test_the_extracted_cache_is_main_then_draft_and_continues_exactly(model_type
     assert held == PROMPTS[1] + history  # as stock: the prompt and every emitted token
     follow_up = prompt_tokens(6, seed=40)
     conversation = PROMPTS[1] + history + follow_up
-    (uid,) = gen.insert([conversation[len(held):]], [8], caches=[cache], all_tokens=[held])
+    draft.lengths.clear()
+    new = conversation[len(held):]
+    (uid,) = gen.insert([new], [8], caches=[cache], all_tokens=[held])
     decoded, _, _ = _run(gen, [uid])
     gen.close()
     assert greedy(model, conversation, max_tokens=8).compare(decoded[uid]) is None
+    assert draft.lengths[0] == len(new), draft.lengths[:3]
+
+
+def test_supplied_draft_caches_wait_for_their_row_and_go_with_it():
+    """Draft caches supplied with a request are kept until its row joins the generation batch;
+    a request removed before that takes them with it (the next insert forgets them)."""
+    from mlx_lm.generate import BatchGenerator
+
+    model, draft = _models(HYBRID)
+    gen = BatchGenerator(model, max_tokens=6, draft_model=draft, num_draft_tokens=2)
+    (uid,) = gen.insert([list(PROMPTS[0])], [6])
+    cache = held = None
+    while cache is None:
+        for r in gen.next_generated():
+            if r.finish_reason:
+                cache, held = r.prompt_cache, list(r.all_tokens)
+    spec = vars(gen._generation_batch)[ATTR]
+    (removed,) = gen.insert([prompt_tokens(4, seed=41)], [6], caches=[cache], all_tokens=[held])
+    assert removed in spec.supplied
+    gen.remove([removed])
+    (kept,) = gen.insert([list(PROMPTS[1])], [6])
+    assert spec.supplied == {}
+    decoded, _, _ = _run(gen, [kept])
+    gen.close()
+    assert greedy(model, PROMPTS[1], max_tokens=6).compare(decoded[kept]) is None
 
 
 def test_rotating_windows_decode_plainly_with_one_warning(caplog):

@@ -158,6 +158,7 @@ class Speculation:
         self.prefill_step_size = prefill_step_size
         self.main_has_recurrent = main_has_recurrent
         self.draft_cache = []
+        self.supplied = {}  # uid -> (its supplied draft caches, the tokens they hold): see join
         self.pending = []  # per row: [(token, logprobs, emitted)]
         self.behind = []  # per row: tokens its draft caches miss (before the last known one)
         schedule = forced_schedule()
@@ -167,9 +168,23 @@ class Speculation:
 
     # -- rows joining and leaving -------------------------------------------------------------
 
-    def join(self, tokens: List[List[int]], first_tokens, first_logprobs) -> None:
+    def supply(self, uid: int, caches, held: List[int]) -> None:
+        """Draft caches supplied with a row (after its main caches), holding ``held``: the row's
+        draft starts from them when it joins, fed only the tokens after ``held``."""
+        if held and all(getattr(c, "offset", len(held)) == len(held) for c in caches):
+            self.supplied[uid] = (caches, list(held))
+
+    def forget_supplied(self, present) -> None:
+        """Drop the supplied draft caches of rows no longer in the generator (removed before
+        they joined): ``present(uids)`` gives those still there."""
+        if self.supplied:
+            there = set(present(list(self.supplied)))
+            self.supplied = {uid: v for uid, v in self.supplied.items() if uid in there}
+
+    def join(self, tokens: List[List[int]], first_tokens, first_logprobs, uids=()) -> None:
         """New rows (their known tokens in the main model's caches, and the token sampled after
-        them, not yet emitted): their draft caches are prefilled with the same tokens."""
+        them, not yet emitted): their draft caches are prefilled with the same tokens, from the
+        draft caches supplied with the row where they hold the start of them."""
         import sys
 
         import mlx.core as mx
@@ -177,9 +192,11 @@ class Speculation:
         generate = sys.modules[GENERATE]
         make_prompt_cache = sys.modules[CACHE].make_prompt_cache
         row_caches = []
-        for history in tokens:
-            cache = make_prompt_cache(self.draft)
-            for start in range(0, len(history), self.prefill_step_size):
+        for uid, history in zip(list(uids) or [None] * len(tokens), tokens):
+            cache, held = self.supplied.pop(uid, (None, []))
+            if cache is None or history[:len(held)] != held:
+                cache, held = make_prompt_cache(self.draft), []
+            for start in range(len(held), len(history), self.prefill_step_size):
                 self.draft(mx.array(history[start:start + self.prefill_step_size])[None], cache=cache)
                 mx.eval([c.state for c in cache])
             row_caches.append(cache)

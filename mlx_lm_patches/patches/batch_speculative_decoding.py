@@ -9,10 +9,10 @@ Bug
 Fix
     ``BatchGenerator(model, draft_model=..., num_draft_tokens=k)`` speculates in its generation
     batch (``mechanisms/batch_speculation.py``): every row drafts, one batched pass verifies all,
-    each row accepts its own tokens and goes back on its own. The draft's caches of a row are
-    prefilled when the row starts generating; a row's extracted cache is its main caches then its
-    draft caches, as ``mlx_lm.server``'s one-at-a-time path stores them, and a supplied cache of
-    that shape gives the main model its part. The server (not distributed, a draft path, not
+    each row accepts its own tokens and goes back on its own. A row's extracted cache is its
+    main caches then its draft caches, as ``mlx_lm.server``'s one-at-a-time path stores them; a
+    supplied cache of that shape gives the main model its part and, with ``all_tokens``, the
+    draft its start (else the draft is prefilled when the row starts generating). The server (not distributed, a draft path, not
     ``mtp``) keeps batching and hands its generator the draft and ``--num-draft-tokens``. Caches
     other than ``KVCache`` and ``ArraysCache`` (rotating windows, quantized caches) leave the
     generator decoding plainly, batched, with one warning.
@@ -90,20 +90,31 @@ def _init(p, wrapped, instance, args, kwargs):
 
 def _insert_segments(wrapped, instance, args, kwargs):
     """A supplied cache of main then draft caches (what this generator extracts, and what the
-    server's one-at-a-time path stores) gives the main model its part; the draft is prefilled
-    from the row's tokens when it starts generating."""
+    server's one-at-a-time path stores) gives the main model its part; the draft part, where
+    ``all_tokens`` says what it holds, is where the row's draft starts (fed the tokens after
+    them when the row starts generating), else the draft is prefilled from the row's tokens."""
     shape = vars(instance).get(ATTR)
+    if shape is None:
+        return wrapped(*args, **kwargs)
     from mlx_lm_patches.mechanisms.calls import bind_arguments
 
-    if shape is not None:
-        bound = bind_arguments(wrapped, args, kwargs)
-        caches = bound.arguments.get("caches")
-        if caches:
-            n_main, n_draft, _ = shape
-            bound.arguments["caches"] = [c[:n_main] if c is not None and len(c) == n_main + n_draft else c
-                                         for c in caches]
-            return wrapped(*bound.args, **bound.kwargs)
-    return wrapped(*args, **kwargs)
+    spec = _speculation(instance._generation_batch)
+    if spec is not None:
+        spec.forget_supplied(lambda wanted: instance._find_uids(wanted))
+    bound = bind_arguments(wrapped, args, kwargs)
+    caches = bound.arguments.get("caches")
+    if not caches:
+        return wrapped(*args, **kwargs)
+    n_main, n_draft, _ = shape
+    full = [c is not None and len(c) == n_main + n_draft for c in caches]
+    bound.arguments["caches"] = [c[:n_main] if whole else c for c, whole in zip(caches, full)]
+    held = [list(t) if t else None for t in bound.arguments.get("all_tokens") or [None] * len(caches)]
+    uids = wrapped(*bound.args, **bound.kwargs)
+    if spec is not None:
+        for uid, c, whole, tokens in zip(uids, caches, full, held):
+            if whole and tokens:
+                spec.supply(uid, list(c[n_main:]), tokens)
+    return uids
 
 
 def _extract_cache(wrapped, instance, args, kwargs):
@@ -133,10 +144,11 @@ def _batch_extract(wrapped, instance, args, kwargs):
 def _batch_extend(wrapped, instance, args, kwargs):
     batch = args[0] if args else kwargs["batch"]
     first_tokens, first_logprobs, tokens = batch._next_tokens, list(batch._next_logprobs), list(batch.tokens)
+    uids = list(batch.uids)
     out = wrapped(*args, **kwargs)
     spec = _speculation(instance)
-    if spec is not None and batch.uids:
-        spec.join(tokens, first_tokens, first_logprobs)
+    if spec is not None and uids:
+        spec.join(tokens, first_tokens, first_logprobs, uids=uids)
     return out
 
 
