@@ -227,7 +227,7 @@ def test_rotating_windows_decode_plainly_with_one_warning(caplog):
     assert steps >= 8
 
 
-def _provider(tmp_path, draft_path):
+def _provider(tmp_path, draft_path, main=None):
     import argparse
 
     from mlx_lm.server import ModelProvider
@@ -235,7 +235,7 @@ def _provider(tmp_path, draft_path):
     from mlx_lm_patches.selftest.model_folder import write_model_folder
     from mlx_lm_patches.selftest.tiny_models import tiny_config
 
-    main = write_model_folder(tmp_path / "main", build_tiny_model(HYBRID, seed=1), tiny_config(HYBRID))
+    main = main or write_model_folder(tmp_path / "main", build_tiny_model(HYBRID, seed=1), tiny_config(HYBRID))
     args = argparse.Namespace(model=str(main), adapter_path=None, draft_model=None, num_draft_tokens=2,
                               trust_remote_code=False, chat_template=None, use_default_chat_template=False,
                               pipeline=False)
@@ -263,6 +263,23 @@ def test_the_server_keeps_batching_with_a_draft_model(tmp_path):
     spec = vars(gen._generation_batch)[ATTR]
     assert spec.draft is provider.draft_model and spec.most == 2
     gen.close()
+
+
+def test_the_server_says_why_it_drafts_with_an_mtp_head_one_request_at_a_time(tmp_path, caplog):
+    """``mlx_lm.server --draft-model mtp``: batched drafting with an MTP head is not built, so
+    the server serves those requests one at a time, and its log says so and why."""
+    from mlx_lm_patches.patches.batch_speculative_decoding import MTP_ONE_AT_A_TIME
+    from mlx_lm_patches.selftest.mtp_checkpoints import write_mtp_checkpoint
+
+    if HYBRID != "qwen3_5":
+        pytest.skip("no qwen3_5 in this mlx-lm: its MTP head is the one written here")
+    written = write_mtp_checkpoint(tmp_path, HYBRID, dtype="float32")
+    with caplog.at_level("WARNING", logger="mlx_lm_patches"):
+        provider = _provider(tmp_path, "mtp", main=written.folder)
+    if not hasattr(type(provider), "_load"):
+        pytest.skip("0.31.2 decides batching in ModelProvider.load: its server is left as stock")
+    assert provider.draft_model is not None and not provider.is_batchable
+    assert f"--draft-model mtp serves concurrent requests one at a time: {MTP_ONE_AT_A_TIME}" in caplog.text
 
 
 @pytest.mark.parametrize("model_type", [HYBRID, DENSE_MODEL_TYPE])

@@ -49,7 +49,7 @@ import time
 
 import pytest
 
-from conftest import clean_env, xfail_if_affected
+from conftest import affected, clean_env, xfail_if_affected
 from mlx_lm_patches.selftest.model_folder import write_model_folder
 from mlx_lm_patches.selftest.mtp_checkpoints import write_mtp_checkpoint
 from mlx_lm_patches.selftest.tiny_models import build_tiny_model, tiny_config
@@ -600,3 +600,15 @@ def test_stock_a_rank_raising_alone_fails_the_request_in_bounded_time(pid, stock
     outcome = stock_raising["outcome"]
     assert isinstance(outcome, Exception), f"answered {outcome!r}"
     assert not isinstance(outcome, openai.APITimeoutError), f"no answer after {stock_raising['seconds']:.0f}s"
+
+
+def test_draft_model_mtp_says_why_it_serves_one_request_at_a_time(mtp_served):
+    """Where the server keeps batching with a draft model (``batch-speculative-decoding``, mlx-lm
+    0.31.3 and later), drafting with the MTP head is not batched: every rank's log says so."""
+    from mlx_lm.server import ModelProvider
+
+    from mlx_lm_patches.patches.batch_speculative_decoding import MTP_ONE_AT_A_TIME
+
+    if not affected("batch-speculative-decoding") or not hasattr(ModelProvider, "_load"):
+        pytest.skip("this release's server keeps no batching with a draft model")
+    assert mtp_served["log"].count(f"one at a time: {MTP_ONE_AT_A_TIME}") == RANKS, mtp_served["log"][-3000:]

@@ -209,25 +209,39 @@ def _forget_server_draft(model):
     vars(model).pop(SERVER_DRAFT, None)
 
 
+# why a server drafting with an MTP head serves its requests one at a time (logged at each load;
+# a distributed server takes no draft path, only ``mtp``)
+MTP_ONE_AT_A_TIME = "batched drafting with an MTP head is not built yet"
+
+
 def _server_load(p, wrapped, instance, args, kwargs):
-    """``ModelProvider._load``: with a draft model (a path, not ``mtp``, not distributed) the
-    server keeps batching, and its generators speculate with the draft."""
+    """``ModelProvider._load``: with a draft model (a path, not ``mtp``) the server keeps
+    batching, and its generators speculate with the draft; otherwise it says why it serves
+    requests one at a time."""
     from mlx_lm_patches.mechanisms.calls import bind_arguments
 
     out = wrapped(*args, **kwargs)
     path = bind_arguments(wrapped, args, kwargs).arguments.get("draft_model_path")
     draft = getattr(instance, "draft_model", None)
-    if draft is None or path == "mtp" or getattr(instance, "is_distributed", False):
+    if draft is None:
         return out
     make_prompt_cache = sys.modules[CACHE].make_prompt_cache
     from mlx_lm_patches.mechanisms.batch_speculation import unhostable
 
     model = instance.model
-    main, drafts = make_prompt_cache(model), make_prompt_cache(draft)
-    if all(hasattr(c, "merge") for c in main + drafts) and not unhostable(main) and not unhostable(drafts):
-        vars(model)[SERVER_DRAFT] = (draft, getattr(instance.cli_args, "num_draft_tokens", None) or 3)
-        p.track(model, _forget_server_draft, "the server's draft model, for its BatchGenerators")
-        instance.is_batchable = True
+    if path == "mtp":
+        why = MTP_ONE_AT_A_TIME
+    else:
+        main, drafts = make_prompt_cache(model), make_prompt_cache(draft)
+        merging = all(hasattr(c, "merge") for c in main + drafts)
+        why = unhostable(main) or unhostable(drafts) or (None if merging else "a cache of the models cannot be batched")
+    if why:
+        log.warning("mlx-lm-patches: mlx_lm.server --draft-model %s serves concurrent requests one at a time: %s",
+                    path, why)
+        return out
+    vars(model)[SERVER_DRAFT] = (draft, getattr(instance.cli_args, "num_draft_tokens", None) or 3)
+    p.track(model, _forget_server_draft, "the server's draft model, for its BatchGenerators")
+    instance.is_batchable = True
     return out
 
 
