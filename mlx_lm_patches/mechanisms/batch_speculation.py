@@ -147,7 +147,13 @@ class Speculation:
     each row's pending tokens and the tokens its draft caches miss (decoded in rounds without
     drafts), and the choice of the draft length of each round (``mechanisms/adaptive.py``, one
     controller for the batch: its rounds' times and every row's acceptance), unless
-    ``MLX_LM_PATCHES_ADAPTIVE_DRAFTING=0``."""
+    ``MLX_LM_PATCHES_ADAPTIVE_DRAFTING=0``.
+
+    A row's tokens are emitted when the main model is fed them, as mlx-lm's own step does: the
+    token sampled last in a round stays pending, unemitted, to the next round. So a round
+    without drafts can be mlx-lm's own pipelined step (:meth:`stock_step`) whenever every row
+    has just that one token pending and no row has logits processors; ``marks`` then holds each
+    row's token count when mlx-lm took over, and :meth:`take_back` reads its state back."""
 
     def __init__(self, draft, num_draft_tokens: int, prefill_step_size: int, main_has_recurrent: bool):
         from mlx_lm_patches.engine import env
@@ -165,6 +171,7 @@ class Speculation:
         adaptive = schedule is not None or env.setting(env.ADAPTIVE_DRAFTING)
         self.controller = Controller(self.most, schedule, plain_start=True) if adaptive else None
         self.last_k = None
+        self.marks = None  # while mlx-lm's own steps decode: each row's token count when they began
 
     # -- rows joining and leaving -------------------------------------------------------------
 
@@ -201,6 +208,8 @@ class Speculation:
                 mx.eval([c.state for c in cache])
             row_caches.append(cache)
         firsts = first_tokens.tolist() if first_tokens is not None else []
+        if self.marks is not None:
+            self.marks.extend(len(history) for history in tokens)
         self.draft_cache = generate._extend_cache(self.draft_cache, generate._merge_caches(row_caches))
         self.pending.extend([(int(t), lp, False)] for t, lp in zip(firsts, first_logprobs))
         self.behind.extend([] for _ in firsts)
@@ -208,6 +217,8 @@ class Speculation:
     def keep_rows(self, keep: List[int]) -> None:
         self.pending = [self.pending[i] for i in keep]
         self.behind = [self.behind[i] for i in keep]
+        if self.marks is not None:
+            self.marks = [self.marks[i] for i in keep]
         if not keep:
             self.draft_cache = []
         else:
@@ -217,13 +228,25 @@ class Speculation:
     def extract_draft(self, idx: int):
         return [c.extract(idx) for c in self.draft_cache]
 
+    def draft_of_finished(self, batch, idx: int):
+        """The draft caches of row ``idx`` as mlx-lm's own step finishes it (or extracts it): while
+        its steps decode, brought to hold what the main caches hold (``batch.tokens[idx]``)."""
+        if self.marks is None:
+            return self.extract_draft(idx)
+        tokens = batch.tokens[idx]
+        missed = len(self.behind[idx]) + len(tokens) - self.marks[idx]
+        draft, _ = _settled(self.draft, self.extract_draft(idx), tokens[:len(tokens) - missed], tokens)
+        return draft
+
     def finished_row(self, batch, i: int, discarded: int):
-        """A row that finished with its last ``discarded`` known tokens not emitted: its main then
-        draft caches, each brought to hold exactly its prompt and emitted tokens where that is
-        exact (an attention-only cache drops what it holds beyond them; tokens not yet fed are
-        fed through the model's own forward), and the tokens the main caches hold."""
+        """A row that finished with its last ``discarded`` emitted tokens of the round not taken
+        (and its pending unemitted ones): its main then draft caches, each brought to hold
+        exactly its prompt and taken tokens where that is exact (an attention-only cache drops
+        what it holds beyond them; tokens not yet fed are fed through the model's own forward),
+        and the tokens the main caches hold."""
         known = batch.tokens[i] + [t for t, _, _ in self.pending[i]]
-        wanted = known[:len(known) - discarded]
+        unemitted = sum(1 for _, _, done in self.pending[i] if not done)
+        wanted = known[:len(known) - discarded - unemitted]
         main, held = _settled(batch.model, [c.extract(i) for c in batch.prompt_cache], batch.tokens[i], wanted)
         in_draft = known[:len(known) - 1 - len(self.behind[i])]
         draft, _ = _settled(self.draft, self.extract_draft(i), in_draft, wanted)
@@ -231,14 +254,56 @@ class Speculation:
 
     # -- a round ------------------------------------------------------------------------------
 
-    def round(self, batch):
-        """One round over ``batch`` (a ``GenerationBatch``): per row, the tokens it emits
-        ``[(token, logprobs)]``, in order. The batch's caches and ``tokens`` and this object's
-        state are moved forward."""
+    def choose(self) -> int:
+        """The draft length of the next round."""
+        k = self.controller.choose() if self.controller is not None else self.most
+        return max(0, min(k, self.most))
+
+    def stock_can_step(self, batch) -> bool:
+        """Whether a round without drafts can be mlx-lm's own step: every row has its last
+        sampled token pending (not fed, not emitted) and nothing else, and no row has logits
+        processors (mlx-lm keeps their context itself, from its own steps)."""
+        if self.marks is not None:
+            return True
+        if any(batch.logits_processors or ()):
+            return False
+        return all(len(p) == 1 and not p[0][2] for p in self.pending)
+
+    def stock_step(self, batch, step):
+        """A round without drafts by mlx-lm's own ``step()`` (pipelined: it samples the next
+        token while this one is emitted); timed for the controller."""
         import time
 
-        k = self.controller.choose() if self.controller is not None else self.most
-        k = max(0, min(k, self.most))
+        import mlx.core as mx
+
+        if self.marks is None:
+            batch._next_tokens = mx.array([p[0][0] for p in self.pending])
+            batch._next_logprobs = [p[0][1] for p in self.pending]
+            self.marks = [len(t) for t in batch.tokens]
+        start = time.perf_counter()
+        out = step()
+        if self.controller is not None:
+            self.controller.observe(0, 0, time.perf_counter() - start, first=self.last_k != 0)
+        self.last_k = 0
+        return out
+
+    def take_back(self, batch) -> None:
+        """After mlx-lm's own steps: each row's pending token is the one they sampled last, and
+        the tokens they fed are behind in the draft."""
+        if self.marks is None:
+            return
+        tokens = batch._next_tokens.tolist() if batch.uids else []
+        self.pending = [[(t, lp, False)] for t, lp in zip(tokens, batch._next_logprobs)]
+        for behind, mark, fed in zip(self.behind, self.marks, batch.tokens):
+            behind.extend(fed[mark:])
+        self.marks = None
+
+    def round(self, batch, k: int):
+        """One round of ``k`` drafts over ``batch`` (a ``GenerationBatch``): per row, the tokens
+        it emits ``[(token, logprobs)]``, in order. The batch's caches and ``tokens`` and this
+        object's state are moved forward."""
+        import time
+
         catch_up = self._catch_up() if k else 0.0
         start = time.perf_counter()
         emitted, kept = self._round(batch, k)
@@ -337,19 +402,19 @@ class Speculation:
                     a += 1
                 accepted = [(input_rows[i][n + m], row_logprobs[at + m]) for m in range(a)]
                 bonus, bonus_logprobs = picked_rows[i][at + a], row_logprobs[at + a]
-            emitted.append([(t, lp) for t, lp, done in self.pending[i] if not done]
-                           + accepted + [(bonus, bonus_logprobs)])
+            # emitted as fed: the pending tokens and the accepted drafts; the bonus when fed next
+            emitted.append([(t, lp) for t, lp, done in self.pending[i] if not done] + accepted)
             kept.append(len(accepted))
             fed = n + len(accepted)
             if not self.main_has_recurrent or fed == width:
                 batch.tokens[i].extend(t for t, _, _ in self.pending[i])
                 batch.tokens[i].extend(t for t, _ in accepted)
                 main_keep.append(fed)
-                self.pending[i] = [(bonus, bonus_logprobs, True)]
+                self.pending[i] = [(bonus, bonus_logprobs, False)]
             else:
                 main_keep.append(0)
                 self.pending[i] = ([(t, lp, True) for t, lp, _ in self.pending[i]]
-                                   + [(t, lp, True) for t, lp in accepted] + [(bonus, bonus_logprobs, True)])
+                                   + [(t, lp, True) for t, lp in accepted] + [(bonus, bonus_logprobs, False)])
             if k:
                 draft_keep.append(1 + len(accepted))
             else:
