@@ -303,3 +303,33 @@ def test_adaptive_drafting_stops_drafting_a_draft_never_accepted(model_type):
     prefill = len(PROMPTS)  # one prefill pass a row (prompts shorter than a prefill step)
     assert calls[0] - prefill < 40, f"{calls[0] - prefill} draft calls in {steps} rounds"
 
+
+
+@pytest.mark.parametrize("model_type", [HYBRID])
+def test_rounds_after_a_rejection_are_as_wide_as_their_drafts(model_type):
+    """A hybrid row whose round was rejected goes back and keeps its accepted tokens pending;
+    the next rounds stay ``k + 1`` tokens wide (the row feeds its first pending tokens, keeps them,
+    and catches up), so rounds without drafts cost a plain step. Before, they were as wide as the
+    longest pending row, and every shorter row was padded at the end and sent back again."""
+    from mlx_lm.generate import BatchGenerator
+
+    model, draft = _models(model_type, scale=0.05)
+    widths = []
+
+    class Recorded:
+        def __call__(self, inputs, *args, **kwargs):
+            widths.append(tuple(inputs.shape))
+            return model(inputs, *args, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(model, name)
+
+    with forced([3] * 2 + [0] * 30):
+        gen = BatchGenerator(Recorded(), max_tokens=12, draft_model=draft, num_draft_tokens=3)
+    uids = gen.insert([list(p) for p in PROMPTS], [12] * len(PROMPTS))
+    decoded, _, _ = _run(gen, uids)
+    gen.close()
+    _assert_rows_equal_greedy(model, PROMPTS, [decoded[uid] for uid in uids], 12)
+    first = widths.index((len(PROMPTS), 4))  # the prompts' passes come before the first round's
+    rounds = [width for _, width in widths[first:]]
+    assert rounds[:2] == [4, 4] and set(rounds[2:]) == {1}, widths

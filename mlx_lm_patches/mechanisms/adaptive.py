@@ -109,14 +109,14 @@ class Controller:
         the prompt's prefill was in it) besides ``catch_up`` seconds of the draft catching up on
         tokens decoded without it (a cost of probing, not of rounds of ``k``). ``first``: the
         round began a run of its ``k`` (its time holds the switch: a probe's cost, not a usual
-        round's). ``rows``: a batch's round, what each row kept (the acceptance counts every
-        row; ``kept`` is the most any row kept)."""
+        round's). ``rows``: a batch's round, per row ``(kept, offered)``: the drafts it was offered
+        and kept of them (rows offered none do not count; ``kept`` is the most any row kept)."""
         self.rounds += 1
         probe, self.probing = self.probing, False
         self.probed = probe
         self.rejected_seen = self.rejected_seen or kept < k
-        for row_kept in (rows if rows is not None else [kept]) if k else ():
-            for accepted in [1.0] * row_kept + ([0.0] if row_kept < k else []):
+        for row_kept, offered in (rows if rows is not None else [(kept, k)]) if k else ():
+            for accepted in [1.0] * row_kept + ([0.0] if row_kept < offered else []):
                 self.accepted = DECAY * self.accepted + accepted
                 self.rejected = DECAY * self.rejected + (1.0 - accepted)
         self._time(k, kept, None if first else seconds)

@@ -24,6 +24,8 @@ A round, for a batch of ``B`` rows and ``k`` draft tokens (``W = k + 1``):
   exact; the main model's only before and after the verify pass, so a hybrid row keeps the pass
   when it accepted everything and otherwise goes back to before it, its accepted tokens staying
   pending (they are fed again in front of the next round's drafts, which then has fewer slots).
+  Every round is ``W`` wide: a row with more pending tokens feeds the first ``W`` of them and
+  keeps them (no drafts, no new token), so no row is padded at the end and sent back for it.
   A dense row keeps exactly what it accepted.
 
 Every token a row emits comes from the main model's logits over that row's known prefix, so the
@@ -309,7 +311,7 @@ class Speculation:
         emitted, kept = self._round(batch, k)
         seconds = time.perf_counter() - start
         if self.controller is not None:
-            self.controller.observe(k, max(kept, default=0), seconds, catch_up=catch_up,
+            self.controller.observe(k, max((n for n, _ in kept), default=0), seconds, catch_up=catch_up,
                                     first=k != self.last_k, rows=kept)
         self.last_k = k
         return emitted
@@ -343,8 +345,9 @@ class Speculation:
         import mlx.core as mx
 
         B = len(batch.uids)
+        width = k + 1
         counts = [len(p) for p in self.pending]
-        width = max([k + 1] + counts)
+        fed = [min(c, width) for c in counts]  # a row with more pending tokens feeds the first ones
         samplers = [batch.fallback_sampler if s is None else s for s in (batch.samplers or [None] * B)]
         processors = [tuple(p or ()) for p in (batch.logits_processors or [()] * B)]
         shared = all(s is samplers[0] for s in samplers)
@@ -367,10 +370,10 @@ class Speculation:
                     x = sample((logits - mx.logsumexp(logits, axis=-1, keepdims=True))[:, None])
                     proposals.append(x)
 
-        # verify: each row's pending tokens, then as many of its drafts as fit (the rest of a
-        # row's slots: a filler that is never accepted)
-        slots = [0 if processors[i] else min(k, width - counts[i]) for i in range(B)]
-        inputs = mx.array([[t for t, _, _ in p] + [0] * (width - len(p)) for p in self.pending])
+        # verify: each row's pending tokens (at most ``width``), then as many of its drafts as fit
+        # (the rest of a row's slots: a filler that is never accepted)
+        slots = [0 if processors[i] or fed[i] < counts[i] else min(k, width - counts[i]) for i in range(B)]
+        inputs = mx.array([[t for t, _, _ in p[:width]] + [0] * (width - n) for p, n in zip(self.pending, fed)])
         if k:
             drafts = mx.concatenate(proposals, axis=1)  # (B, k)
             position = mx.arange(width)[None, :] - mx.array(counts)[:, None]
@@ -385,7 +388,18 @@ class Speculation:
         picked_rows, input_rows = picked.tolist(), inputs.tolist()
         emitted, kept, main_keep, draft_keep = [], [], [], []
         for i in range(B):
-            n, at = counts[i], counts[i] - 1
+            n = fed[i]
+            if n < counts[i]:
+                # a hybrid row back from a rejected round with more pending tokens than the round
+                # is wide: it feeds the first ones (already emitted) and keeps them; no new token
+                emitted.append([])
+                batch.tokens[i].extend(t for t, _, _ in self.pending[i][:n])
+                main_keep.append(n)
+                self.pending[i] = self.pending[i][n:]
+                if k:
+                    draft_keep.append(0)  # its known tokens did not change: the draft goes back
+                continue
+            at = n - 1
             last_known = self.pending[i][-1][0]
             row_logprobs = logprobs[i]
             if processors[i]:
@@ -404,12 +418,13 @@ class Speculation:
                 bonus, bonus_logprobs = picked_rows[i][at + a], row_logprobs[at + a]
             # emitted as fed: the pending tokens and the accepted drafts; the bonus when fed next
             emitted.append([(t, lp) for t, lp, done in self.pending[i] if not done] + accepted)
-            kept.append(len(accepted))
-            fed = n + len(accepted)
-            if not self.main_has_recurrent or fed == width:
+            if slots[i]:
+                kept.append((len(accepted), slots[i]))
+            taken = n + len(accepted)
+            if not self.main_has_recurrent or taken == width:
                 batch.tokens[i].extend(t for t, _, _ in self.pending[i])
                 batch.tokens[i].extend(t for t, _ in accepted)
-                main_keep.append(fed)
+                main_keep.append(taken)
                 self.pending[i] = [(bonus, bonus_logprobs, False)]
             else:
                 main_keep.append(0)
