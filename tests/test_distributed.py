@@ -52,7 +52,7 @@ import pytest
 from conftest import affected, clean_env, xfail_if_affected
 from mlx_lm_patches.selftest.model_folder import write_model_folder
 from mlx_lm_patches.selftest.mtp_checkpoints import write_mtp_checkpoint
-from mlx_lm_patches.selftest.tiny_models import build_tiny_model, tiny_config
+from mlx_lm_patches.selftest.tiny_models import _module_exists, build_tiny_model, tiny_config
 from support.chat_reference import chat_prompt, chat_reference
 from support.server import launcher, serve, server_flags
 
@@ -95,8 +95,6 @@ pytestmark = [pytest.mark.subprocess, pytest.mark.release_only,
 def _layout_skip(model_type, args):
     """Why the installed release cannot serve ``model_type`` this way, or None."""
     import mlx_lm.utils
-
-    from mlx_lm_patches.selftest.tiny_models import _module_exists
 
     if not hasattr(mlx_lm.utils, "sharded_load"):
         return "mlx_lm.utils has no sharded_load"
@@ -410,6 +408,78 @@ def test_mtp_head_is_sharded_with_the_model_and_computes_the_same(tmp_path):
             assert seen["head_size"] < whole, (family, seen["head_size"], whole)
             np.testing.assert_allclose(np.array(seen["logits"]), expected, atol=1e-4, rtol=0,
                                        err_msg=f"{family} rank {rank}")
+
+
+ADAPTIVE_SCRIPT = textwrap.dedent('''\
+    """Each rank: greedy decoding of one prompt, then mlx-lm's speculative_generate_step with a
+    draft that always proposes the right token (from the greedy run) - free on rank 0, 20 ms a
+    call on rank 1, so each rank's own timings would choose differently; writes its tokens and
+    its draft calls to OUT/rank<r>.json."""
+    import json
+    import sys
+    import time
+
+    import mlx.core as mx
+
+    import mlx_lm_patches
+
+    mlx_lm_patches.apply()
+    from mlx_lm.generate import generate_step, speculative_generate_step
+    from mlx_lm.models.cache import KVCache
+
+    from mlx_lm_patches.selftest.tiny_models import build_tiny_model
+
+    out, model_type = sys.argv[1], sys.argv[2]
+    rank = mx.distributed.init().rank()
+    model = build_tiny_model(model_type, seed=1)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    greedy = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=48)]
+    sequence = prompt + greedy
+    vocab = model(mx.array([prompt])).shape[-1]
+    calls = [0]
+
+    class Oracle:
+        layers = [None]
+
+        def make_cache(self):
+            return [KVCache()]
+
+        def __call__(self, inputs, cache=None):
+            calls[0] += 1
+            if rank:
+                time.sleep(0.02)
+            n = inputs.shape[1]
+            cache[0].update_and_fetch(mx.zeros((1, 1, n, 1)), mx.zeros((1, 1, n, 1)))
+            target = sequence[min(cache[0].offset, len(sequence) - 1)]
+            return mx.broadcast_to(mx.zeros((vocab,)).at[target].add(10.0), (1, n, vocab))
+
+    spec = [int(t) for t, _, _ in speculative_generate_step(mx.array(prompt), model, Oracle(), max_tokens=48,
+                                                            num_draft_tokens=3)]
+    with open(f"{out}/rank{rank}.json", "w") as f:
+        json.dump(dict(greedy=greedy, speculative=spec, draft_calls=calls[0]), f)
+''')
+
+
+def test_adaptive_drafting_ranks_take_rank_zeros_draft_lengths(tmp_path):
+    """Adaptive drafting on two ranks (``mlx.launch``): the ranks of a distributed model must run
+    the same passes, but each times its own rounds. With a draft that is free on rank 0 and slow
+    on rank 1, both ranks draft as rank 0 chooses (as many draft calls) and decode greedy's
+    tokens. (Choosing from each rank's own timings, rank 1 would stop drafting.)"""
+    import json
+
+    from support.server import run_ranks
+
+    script = tmp_path / "adaptive_ranks.py"
+    script.write_text(ADAPTIVE_SCRIPT)
+    done = run_ranks(script, tmp_path, "qwen3_5" if _module_exists("qwen3_5") else "qwen3_next", ranks=RANKS,
+                     env=clean_env(), timeout=READY_TIMEOUT)
+    assert done.returncode == 0, done.stdout[-3000:]
+    seen = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(RANKS)]
+    for rank, ran in enumerate(seen):
+        assert ran["speculative"] == ran["greedy"], f"rank {rank}"
+    calls = [ran["draft_calls"] for ran in seen]
+    assert calls[0] == calls[1], f"draft calls per rank: {calls}"
+    assert calls[0] > 20, f"rank 0 stopped drafting a free draft always accepted: {calls[0]} draft calls"
 
 
 def test_every_rank_makes_the_same_reuse_decision(served):

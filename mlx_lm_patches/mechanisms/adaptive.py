@@ -284,3 +284,35 @@ class Controller:
             self.probing = True
             return 1
         return 0
+
+
+class RankZeroChooses:
+    """The draft lengths of the ranks of one distributed model (``mlx.launch``): every rank must
+    run the same passes, and each measures its own times, so rank 0's controller decides and
+    every rank takes its choice (a sum over ``group`` to which the other ranks add 0). Each rank's
+    controller still observes its rounds; only rank 0's is asked. Within a run of plain rounds
+    rank 0 is asked every ``RECENT`` rounds only: the collective waits for the step mlx-lm has
+    queued, so asking every round would undo plain decoding's pipelining (a probe or a return
+    to drafting is taken at the next of those rounds)."""
+
+    def __init__(self, controller, group):
+        self.controller = controller
+        self.group = group
+        self.deciding = group.rank() == 0
+        self.last = None  # the last agreed draft length
+        self.plain = 0  # rounds since the last agreed choice, while plain
+
+    def __getattr__(self, name):
+        return getattr(self.controller, name)
+
+    def choose(self, left=None):
+        import mlx.core as mx
+
+        if self.last == 0 and self.plain % RECENT:
+            self.plain += 1
+            return 0
+        k = self.controller.choose(left) if self.deciding else 0
+        k = int(mx.distributed.all_sum(mx.array(k, mx.int32), group=self.group).item())
+        self.plain = 1 if k == 0 else 0
+        self.last = k
+        return k

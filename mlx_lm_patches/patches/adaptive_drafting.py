@@ -23,8 +23,10 @@ Fix
     the output is unchanged whatever the schedule.
     ``MLX_LM_PATCHES_ADAPTIVE_DRAFTING=0`` turns it off (``k`` fixed as in stock mlx-lm); with
     ``logits_processors`` or ``max_tokens < 0`` the loop also runs as it is (its history of
-    tokens for processors does not survive a restart), and in a distributed group of more than
-    one rank (each rank would choose from its own timings; the ranks must run the same passes).
+    tokens for processors does not survive a restart). The ranks of a distributed model
+    (``mlx.launch``, ``--draft-model mtp``) must run the same passes: rank 0's controller
+    decides and the others take its choice through a collective (every drafting round; every
+    8th plain round).
 
 Retire
     When mlx-lm's speculative loop adapts its draft length by itself.
@@ -84,24 +86,24 @@ def _adaptive(wrapped, instance, args, kwargs):
     max_tokens = arguments.get("max_tokens", 256)
     schedule = forced_schedule()
     if (not enabled() and schedule is None) or most <= 0 or arguments.get("logits_processors") \
-            or max_tokens is None or max_tokens < 0 or _distributed():
+            or max_tokens is None or max_tokens < 0:
         return wrapped(*args, **kwargs)
-    return _segments(wrapped, bound, most, max_tokens, schedule)
+    return _segments(wrapped, bound, most, max_tokens, schedule, _ranks())
 
 
-def _distributed() -> bool:
-    """Ranks of a distributed model must run the same passes: each would choose from its own
-    timings, so the draft length stays fixed there (not synchronised yet)."""
+def _ranks():
+    """The distributed group this process runs a model in, with more than one rank, or None:
+    its ranks must choose the same draft lengths."""
     import os
 
-    import mlx.core as mx
+    from mlx_lm_patches.mechanisms.server_ranks import group
 
     if not any(os.environ.get(name) for name in LAUNCHED):
-        return False  # not started by a distributed launcher: no group to ask (init() is not free)
+        return None  # not started by a distributed launcher: no group to ask (init() is not free)
     try:
-        return bool(mx.distributed.is_available()) and mx.distributed.init().size() > 1
+        return group()
     except Exception:  # no usable backend: a single process
-        return False
+        return None
 
 
 class _KeepsLastSample:
@@ -124,12 +126,12 @@ class _KeepsLastSample:
 PLAIN_OPTIONS = ("prefill_step_size", "kv_bits", "kv_group_size", "quantized_kv_start")
 
 
-def _segments(wrapped, bound, most, max_tokens, schedule):
+def _segments(wrapped, bound, most, max_tokens, schedule, ranks=None):
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
     from mlx_lm_patches.engine.patching import beneath_layers
-    from mlx_lm_patches.mechanisms.adaptive import Controller
+    from mlx_lm_patches.mechanisms.adaptive import Controller, RankZeroChooses
     from mlx_lm_patches.mechanisms.journal import journal_of
 
     arguments = bound.arguments
@@ -152,6 +154,8 @@ def _segments(wrapped, bound, most, max_tokens, schedule):
     supplied = prompt_cache is not None or getattr(model, "caller_caches", None) is not None
     plain_start = not supplied and not follows
     controller = Controller(most, schedule, plain_start=plain_start)
+    if ranks is not None and schedule is None:
+        controller = RankZeroChooses(controller, ranks)
     sequence = [int(t) for t in mx.array(arguments["prompt"]).reshape(-1).tolist()]
     draft_seen = 0 if plain_start else None  # positions of `sequence` the draft holds (None: the first segment's own count)
     produced = 0
