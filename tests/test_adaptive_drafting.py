@@ -265,6 +265,7 @@ def _simulated_speed(draft, verify, acceptance, fixed=None, seed=0, tokens=192, 
     ("as costly as the main model, all accepted", 0.7, 0.3, 1.0),
     ("cheap, all accepted", 0.1, 0.2, 1.0),
     ("cheap, 90 %", 0.1, 0.3, 0.9),
+    ("a fifth of a step, 90 %, a cheap verify", 0.3, 0.15, 0.9),
 ])
 def test_controller_on_synthetic_noisy_costs(case, draft, verify, acceptance):
     """Decisions, not speed: on synthetic costs with 20 % noise per round (median of 11
@@ -277,3 +278,21 @@ def test_controller_on_synthetic_noisy_costs(case, draft, verify, acceptance):
                                  for s in range(11)) for k in (1, 2, 3))
     assert adaptive >= 0.93, f"{case}: {adaptive:.2f}x plain decoding"
     assert adaptive >= 0.9 * best, f"{case}: {adaptive:.2f}x plain, the best fixed k {best:.2f}x"
+
+
+def test_a_length_slowed_once_is_tried_again():
+    """Every draft accepted; the rounds of three drafts cost 2.0 (a plain round 1.0, one draft
+    1.6), but two of them were slowed to 10.0 by the machine: the controller drafts one token
+    for a while, then forgets the stale times and drafts three again."""
+    controller = Controller(3)
+    slowed, chosen = 2, []
+    for _ in range(120):
+        k = controller.choose()
+        chosen.append(k)
+        seconds = {0: 1.0, 1: 1.6, 2: 1.8, 3: 2.0}[k]
+        if k == 3 and slowed:
+            seconds, slowed = 10.0, slowed - 1
+        controller.observe(k, k, seconds, first=len(chosen) > 1 and chosen[-2] != k)
+    schedule = "".join(map(str, chosen))
+    assert "31" in schedule, f"the slowed rounds did not send it back to one draft: {schedule}"
+    assert chosen[-20:].count(3) >= 15, schedule

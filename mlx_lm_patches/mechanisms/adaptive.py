@@ -13,8 +13,9 @@
 
 It picks the ``k`` with the most expected tokens per second,
 ``E[tokens](k) / (time(k) + (1 - a^k) * rollback)``, ``E[tokens](k) = (1 - a^(k+1)) / (1 - a)``;
-from plain decoding a draft length must win on the unfavourable side of the measured spread,
-catch-up included. At ``k = 0`` it probes now and then with one draft token, after a wait that
+switching between plain decoding and drafting needs a win on the unfavourable side of the
+measured spread (catch-up included from plain decoding). A length of two or more not run for
+``STALE`` rounds has its times forgotten, so a round slowed by the machine does not keep it out. At ``k = 0`` it probes now and then with one draft token, after a wait that
 keeps the probe's extra cost (catch-up over the wait included) near ``PROBE_SHARE`` of the plain
 rounds waited; a rejected probe doubles the wait, an accepted one brings it back to the start;
 a catch-up that alone costs more than that share ends the probing for the sequence once drafts
@@ -34,6 +35,7 @@ START_PLAIN = 3  # plain rounds timed at the start
 FIRST_INTERVAL = 4  # plain rounds before the first probe
 PROBE_SHARE = 0.01  # the probes' extra cost kept near this share of the plain rounds' time
 MOST_INTERVAL = 256  # plain rounds between probes at most: how long a return of acceptance may wait
+STALE = 32  # rounds after which the times of a draft length longer than one, not run since, are forgotten
 
 _forced = contextvars.ContextVar("mlx_lm_patches_forced_draft_lengths", default=None)
 
@@ -97,6 +99,7 @@ class Controller:
         self.probed = False  # the last round was a probe
         self.rejected_seen = False  # a draft token was rejected in this sequence
         self.catch_up = 0.0  # seconds per missed token of the draft's catch-up after plain rounds
+        self.ran = {}  # k -> the round that last ran k
 
     # -- what was seen -------------------------------------------------------------------------
 
@@ -119,7 +122,14 @@ class Controller:
             for accepted in [1.0] * row_kept + ([0.0] if row_kept < offered else []):
                 self.accepted = DECAY * self.accepted + accepted
                 self.rejected = DECAY * self.rejected + (1.0 - accepted)
+        if first and k and seconds and k not in self.seconds and kept < k:
+            # a rejected first round of an unmeasured length: its time (the switch in it) is an
+            # upper bound, enough to tell that a rarely accepted draft does not pay
+            self._record(k, seconds)
         self._time(k, kept, None if first else seconds)
+        self.ran[k] = self.rounds
+        if k:
+            self._forget_stale()
         if k == 0:
             self.plain_run += 1
             return
@@ -144,6 +154,15 @@ class Controller:
             else:
                 self.interval = max(self.interval, wait)
             self.interval = min(self.interval, MOST_INTERVAL)
+
+    def _forget_stale(self):
+        """While drafting, the times of a length of two or more not run for ``STALE`` rounds are
+        forgotten: one slow round must not keep a length out for the rest of the sequence (with
+        its times forgotten it is estimated as unmeasured lengths are, and tried again where its
+        tokens would pay). One draft's times stay: they set the probes' waits."""
+        for k in [k for k in self.seconds if k >= 2 and self.rounds - self.ran.get(k, 0) > STALE]:
+            del self.seconds[k]
+            self.recent.pop(k, None)
 
     def _catch_up_share(self):
         plain = self.seconds.get(0)
@@ -217,20 +236,20 @@ class Controller:
         return self.seconds[lo] + (self.seconds[hi] - self.seconds[lo]) * (k - lo) / (hi - lo)
 
     def best(self):
-        """The draft length with the most expected tokens per second (0 when unsure). Leaving
-        plain decoding costs the draft a catch-up over every token it missed, so from a run of
-        plain rounds (and right after a probe) a draft length must win on the unfavourable side
-        of the measured spread - its rounds' upper quartile against the plain rounds' lower
-        quartile - with its measured catch-up per missed token spread over ``RECENT`` rounds:
-        measurement noise alone does not bring it back. Leaving drafting costs little (the
-        journal's re-run done alone) and goes by the medians."""
+        """The draft length with the most expected tokens per second (0 when unsure). Switching
+        needs a win on the unfavourable side of the measured spread, so that noise alone does not
+        switch: from a run of plain rounds (and right after a probe) a draft length's rounds'
+        upper quartile against the plain rounds' lower quartile, with its measured catch-up per
+        missed token spread over ``RECENT`` rounds; while drafting, the plain rounds' upper
+        quartile against the drafting ones' lower quartile (a few rejections in a row at high
+        acceptance must not send it to plain decoding, from where only a probe brings it back)."""
         a = self.acceptance
         plain_side = self.plain_run > 0 or self.probed
         best_k, best_rate = 0, None
         for k in range(self.most + 1):
             t = self.round_time(k)
-            if plain_side and k in self.recent:
-                t = _quantile(self.recent[k], 0.25 if k == 0 else 0.75)
+            if k in self.recent:
+                t = _quantile(self.recent[k], 0.25 if (k == 0) == plain_side else 0.75)
             if t is None or t <= 0:
                 continue
             if plain_side and k:
