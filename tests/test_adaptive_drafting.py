@@ -35,12 +35,15 @@ TOKENS = 16
 
 
 def _speculate(model, draft, prompt, schedule, num_draft=3, max_tokens=TOKENS, **kwargs):
+    """``schedule``: forced draft lengths, or None (the controller chooses)."""
+    import contextlib
+
     from mlx_lm.generate import speculative_generate_step
 
     from mlx_lm_patches.mechanisms.probing.decoded import Decoded
 
     tokens, logprobs, flags = [], [], []
-    with forced(schedule):
+    with forced(schedule) if schedule is not None else contextlib.nullcontext():
         for token, lp, from_draft in speculative_generate_step(
                 mx.array(prompt), model, draft, num_draft_tokens=num_draft, max_tokens=max_tokens, **kwargs):
             tokens.append(int(token))
@@ -296,3 +299,42 @@ def test_a_length_slowed_once_is_tried_again():
     schedule = "".join(map(str, chosen))
     assert "31" in schedule, f"the slowed rounds did not send it back to one draft: {schedule}"
     assert chosen[-20:].count(3) >= 15, schedule
+
+
+def test_a_plain_starts_prompt_is_not_a_catch_up(monkeypatch):
+    """After a plain start the draft's first call prefills the prompt, then catches up on the
+    tokens decoded plainly: only the latter is a cost of plain rounds. A draft whose passes take
+    2 ms a token and a prompt of 200 tokens: the catch-up the controller is told of is the few
+    plain tokens' (under 0.1 s), not the prompt's 0.4 s (which, divided by the plain rounds, made
+    any later probe look too costly to make)."""
+    import time
+
+    from mlx_lm_patches.mechanisms import adaptive
+
+    class Slow:
+        def __init__(self, model):
+            self.model = model
+
+        def __call__(self, inputs, cache=None, **kwargs):
+            time.sleep(0.002 * inputs.shape[1])
+            return self.model(inputs, cache=cache, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(self.model, name)
+
+    catch_ups = []
+    observe = adaptive.Controller.observe
+
+    def recorded(self, k, kept, seconds=None, catch_up=0.0, *args, **kwargs):
+        catch_ups.append(catch_up)
+        return observe(self, k, kept, seconds, catch_up, *args, **kwargs)
+
+    monkeypatch.setattr(adaptive.Controller, "observe", recorded)
+    model = build_tiny_model(DENSE_MODEL_TYPE, seed=1)
+    prompt = prompt_tokens(200, seed=3)
+    reference = greedy(model, prompt, max_tokens=TOKENS)
+    got, flags = _speculate(model, Slow(build_tiny_model(DENSE_MODEL_TYPE, seed=1)), prompt, None)
+    assert reference.compare(got) is None
+    assert any(flags), "the sequence never drafted"
+    first = next(c for c in catch_ups if c)
+    assert first < 0.1, f"the draft's first catch-up was reported as {first:.3f} s"

@@ -52,28 +52,34 @@ def enabled() -> bool:
 
 
 class _Draft(ModelWithCaches):
-    """The draft model for one segment: its first call is preceded by forward passes over the
-    tokens it missed (``lag``, decoded while no draft ran; the prompt too after a plain start),
-    ``chunk`` tokens a pass as mlx-lm prefills; ``catch_up_s`` times them."""
+    """The draft model for one segment: its first call is preceded by forward passes over what it
+    does not hold yet, ``chunk`` tokens a pass as mlx-lm prefills: ``prompt`` (after a plain
+    start: the prefill stock's loop would have begun with) and ``lag`` (decoded while no draft
+    ran). ``catch_up_s`` times the lag's passes only: they are what plain rounds cost a draft
+    (a long prompt's prefill, divided by the few plain rounds before it, would rule probing out)."""
 
-    def __init__(self, model, caches, lag, chunk):
+    def __init__(self, model, caches, prompt, lag, chunk):
         super().__init__(model, caches, supplied=False)
+        self.prompt = prompt
         self.lag = lag
         self.chunk = max(int(chunk or 0), 1)
         self.catch_up_s = 0.0
 
     def __call__(self, inputs, cache=None, **kwargs):
-        if not self.lag:
-            return self._model(inputs, cache=cache, **kwargs)
+        if self.prompt or self.lag:
+            prompt, lag, self.prompt, self.lag = self.prompt, self.lag, None, None
+            self._feed(prompt, inputs.dtype, cache, kwargs)
+            start = time.perf_counter()
+            self._feed(lag, inputs.dtype, cache, kwargs)
+            self.catch_up_s = time.perf_counter() - start if lag else 0.0
+        return self._model(inputs, cache=cache, **kwargs)
+
+    def _feed(self, tokens, dtype, cache, kwargs):
         import mlx.core as mx
 
-        start = time.perf_counter()
-        lag, self.lag = self.lag, None
-        for at in range(0, len(lag), self.chunk):
-            self._model(mx.array([lag[at:at + self.chunk]], inputs.dtype), cache=cache, **kwargs)
+        for at in range(0, len(tokens or ()), self.chunk):
+            self._model(mx.array([tokens[at:at + self.chunk]], dtype), cache=cache, **kwargs)
             mx.eval([c.state for c in cache])
-        self.catch_up_s = time.perf_counter() - start
-        return self._model(inputs, cache=cache, **kwargs)
 
 
 def _adaptive(wrapped, instance, args, kwargs):
@@ -157,6 +163,7 @@ def _segments(wrapped, bound, most, max_tokens, schedule, ranks=None):
     if ranks is not None and schedule is None:
         controller = RankZeroChooses(controller, ranks)
     sequence = [int(t) for t in mx.array(arguments["prompt"]).reshape(-1).tolist()]
+    prompt_length = len(sequence)
     draft_seen = 0 if plain_start else None  # positions of `sequence` the draft holds (None: the first segment's own count)
     produced = 0
     steps = None
@@ -174,10 +181,11 @@ def _segments(wrapped, bound, most, max_tokens, schedule, ranks=None):
                     return  # (generate_step ended: it only does at max_tokens)
                 produced += len(sequence) - before
                 continue
-            lag = []
+            unseen_prompt, lag = [], []
             if not first_segment and not follows and draft_seen is not None:
-                lag = sequence[draft_seen:-1]
-            draft = _Draft(draft_model, draft_caches, lag, arguments.get("prefill_step_size") or 2048)
+                unseen_prompt = sequence[draft_seen:prompt_length]  # after a plain start: the whole prompt
+                lag = sequence[max(draft_seen, prompt_length):-1]
+            draft = _Draft(draft_model, draft_caches, unseen_prompt, lag, arguments.get("prefill_step_size") or 2048)
             arguments.update(model=ModelWithCaches(model, main_caches, supplied=False), draft_model=draft, prompt_cache=None,
                              num_draft_tokens=k, max_tokens=max_tokens - produced)
             if not first_segment:
