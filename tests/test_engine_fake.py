@@ -232,7 +232,7 @@ schema: 1
 supported: ">=1.0"
 tested_versions: []
 patches:
-  - {{id: trim-fix, summary: s, affected: ">=1.0", fixed_in: null, upstream: [], targets: ["{lib}.core:Cache.trim"], probe: p}}
+  - {{id: trim-fix, summary: s, affected: ">=1.0", fixed_in: null, upstream: [], targets: ["{lib}.core:Cache.trim"], probe: p, before: "older releases trim another way"}}
   - {{id: greet-fix, summary: s, affected: ">=1.0", fixed_in: null, upstream: [], targets: ["{lib}.core:greet"], probe: p}}
   - {{id: added-attr, summary: s, affected: ">=1.0", fixed_in: null, upstream: [], targets: ["{lib}.core:NEW", "{lib}.core:Cache.extra"], probe: p}}
   - {{id: absent-bug, summary: s, affected: ">=1.0", fixed_in: null, upstream: [], targets: ["{lib}.core:Cache"], probe: p}}
@@ -352,6 +352,22 @@ def test_version_gate_and_probe(fake):
     assert "outside <1.0" in fake.engine.row("old-only").detail
     assert "fixed in 1.0" in fake.engine.row("old-only").detail
     assert fake.state("absent-bug") is State.SKIPPED_PROBE
+
+
+def test_a_release_older_than_the_range_says_what_it_gets(tmp_path, monkeypatch):
+    """A patch's ``before`` (what releases older than its range get instead) is what status says
+    there, after the version gate's reason; not above a range, nor for a patch without one."""
+    from packaging.version import Version
+
+    older = Fake(tmp_path, monkeypatch, version="0.8")
+    older.engine.request(["trim-fix", "greet-fix"])
+    assert older.engine.row("trim-fix").detail.endswith(" 0.8 is outside >=1.0: older releases trim another way")
+    assert older.engine.row("greet-fix").detail.endswith(" 0.8 is outside >=1.0")
+    specs = {pid: rec.spec for pid, rec in older.engine.records.items()}
+    assert specs["trim-fix"].older_than_affected(Version("0.8"))
+    assert not specs["old-only"].older_than_affected(Version("1.2"))  # above "<1.0"
+    assert specs["closed-range"].older_than_affected(Version("0.8"))  # below "==0.9"
+    assert not specs["closed-range"].older_than_affected(Version("1.2"))
 
 
 def test_prerelease_is_inside_the_range(tmp_path, monkeypatch):

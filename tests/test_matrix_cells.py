@@ -72,3 +72,14 @@ def test_patched_scenario_is_exact(pid, judged):
     which = "patched" if judged[pid]["state"] == "applied" else "stock"
     outcome = _outcome(judged, pid, which)
     assert outcome["ok"] is True, f"{pid} ({which}): {outcome['summary'].strip()}"
+
+
+@pytest.mark.parametrize("pid", [i for i in IDS if matrix.load().get(i).before])
+def test_a_release_older_than_the_range_is_told_what_it_gets(pid, patched):
+    """Where the installed release is older than what the fix builds on, status says what it gets
+    instead (the matrix's ``before``)."""
+    spec, row = matrix.load().get(pid), patched[pid]
+    installed = versions.installed(spec.package).parsed
+    if installed is None or not spec.older_than_affected(installed):
+        pytest.skip(f"{spec.package} {installed} is not older than {spec.affected}")
+    assert row.state == "skipped:version" and row.detail.endswith(spec.before), row.detail

@@ -246,6 +246,8 @@ class Engine:
                     continue
                 if dist.is_release and not rec.spec.affects(version):
                     fixed = f"; fixed in {rec.spec.fixed_in}" if rec.spec.fixed_in else ""
+                    if rec.spec.before and rec.spec.older_than_affected(version):
+                        fixed += f": {rec.spec.before}"
                     self._set(
                         rec,
                         State.SKIPPED_VERSION,

@@ -37,6 +37,7 @@ class PatchSpec:
     targets: Tuple[str, ...]
     probe: str
     metal_note: Optional[str] = None
+    before: Optional[str] = None  # what a release older than ``affected`` gets instead (status says it there)
     package: str = MLX_LM  # the distribution whose version ``affected`` is about
     # further distributions the bug needs, e.g. (("mlx", SpecifierSet(">=0.32.0")),)
     requires: Tuple[Tuple[str, SpecifierSet], ...] = ()
@@ -58,6 +59,12 @@ class PatchSpec:
     def anchor(self) -> str:
         """The module whose import decides this patch (the first target's module)."""
         return self.targets[0].split(":")[0]
+
+    def older_than_affected(self, version: Version) -> bool:
+        """Whether ``version`` lies below what ``affected`` admits (fails one of its lower bounds)."""
+        return any((s.operator in (">=", ">") and not s.contains(version, prereleases=True))
+                   or (s.operator == "==" and "*" not in s.version and version < Version(s.version))
+                   for s in self.affected)
 
     def affects(self, version: Version) -> bool:
         return self.affected.contains(version, prereleases=True)
@@ -259,7 +266,7 @@ def _tested(row, where) -> TestedVersion:
 
 
 _PATCH_KEYS = {"id", "summary", "affected", "fixed_in", "upstream", "targets", "probe"}
-_OPTIONAL_KEYS = {"metal_note", "package", "requires", "needs", "after"}
+_OPTIONAL_KEYS = {"metal_note", "before", "package", "requires", "needs", "after"}
 
 
 def _patch(row, where) -> PatchSpec:
@@ -319,6 +326,7 @@ def _patch(row, where) -> PatchSpec:
         targets=targets,
         probe=str(row["probe"]),
         metal_note=row.get("metal_note"),
+        before=str(row["before"]) if row.get("before") else None,
         package=package,
         requires=requires,
         optional_targets=optional,
