@@ -32,10 +32,11 @@ Printed per family:
    re-run of the kept token adds to the next verify pass, against the same pass without it;
    attention-only models: the cache trim).
 2. Throughput ratio speculation / plain greedy (mlx-lm's ``speculative_generate_step`` vs
-   ``generate_step``, prompt and ``--tokens`` tokens, best of ``--repeats`` interleaved runs so both
-   see the same load) for every fixed k and hinted rate, with the modelled ratio and whether the
-   tokens and log-probabilities equal greedy decoding; then the best fixed k measured and the
-   "oracle": the best modelled choice of k, k = 0 (plain decoding) included.
+   ``generate_step``, prompt and ``--tokens`` tokens; each speculative run between two plain
+   runs, against their mean, the median of ``--repeats``) for every fixed k and hinted rate,
+   with the modelled ratio and whether the tokens and log-probabilities equal greedy decoding; then the best fixed k measured and the
+   "oracle": the best modelled choice of k, k = 0 (plain decoding) included; and the A/A spread:
+   each plain run against the next one, what the machine's drift alone does to a ratio.
 
 Cost model (per-token acceptance ``a``, costs in main decode steps):
 
@@ -326,34 +327,46 @@ def adaptive_drafting(on):
 
 def measured_ratio(model, make_draft, prompt, ref, k, args, adaptive=False):
     """(ratio, accepted / drafted, exact) of speculation with draft length ``k`` vs greedy
-    (``adaptive``: k is the most per round, the adaptive-drafting patch chooses)."""
+    (``adaptive``: k is the most per round, the adaptive-drafting patch chooses). Plain and
+    speculative runs alternate, P S P S ... P: each speculative run is set against the mean of
+    the plain runs on either side of it (the machine's speed drifts over seconds), the ratio is
+    the median over ``--repeats``; each plain run against the next one (the same protocol, A/A)
+    goes to ``args.plain_pairs``: how far the machine alone moves a ratio."""
+    import statistics
+
     from mlx_lm_patches.selftest.scenarios import greedy
 
-    adaptive_drafting(adaptive)
-    draft = make_draft()
-    speculate(model, draft, prompt, 4, k)  # warm-up
-    t_ref = t_spec = float("inf")
-    got = flags = None
-    for _ in range(args.repeats):  # interleaved: both see the same machine load
+    def plain():
         start = time.perf_counter()
         greedy(model, prompt, max_tokens=args.tokens)
-        t_ref = min(t_ref, time.perf_counter() - start)
+        return time.perf_counter() - start
+
+    adaptive_drafting(adaptive)
+    speculate(model, make_draft(), prompt, 4, k)  # warm-up
+    plains, ratios = [plain()], []
+    got = flags = None
+    for _ in range(args.repeats):
         draft = make_draft()
         start = time.perf_counter()
         got, flags = speculate(model, draft, prompt, args.tokens, k)
-        t_spec = min(t_spec, time.perf_counter() - start)
+        spent = time.perf_counter() - start
+        plains.append(plain())
+        ratios.append((plains[-2] + plains[-1]) / 2 / spent)
+        args.plain_pairs.append(plains[-2] / plains[-1])
     adaptive_drafting(True)
+    ratio = statistics.median(ratios)
     # a round ends with the main model's own token, except a last round cut by max_tokens
     rounds = len(flags) - sum(flags) + (1 if flags and flags[-1] else 0)
     if adaptive:  # the rounds' draft lengths are not known here: the share of tokens drafted
-        return t_ref / t_spec, sum(flags) / max(len(flags), 1), ref.compare(got) is None
-    return t_ref / t_spec, sum(flags) / max(rounds * k, 1), ref.compare(got) is None
+        return ratio, sum(flags) / max(len(flags), 1), ref.compare(got) is None
+    return ratio, sum(flags) / max(rounds * k, 1), ref.compare(got) is None
 
 
 def sweep(label, model, make_draft, draft_cost, costs, prompt, ref, args):
     ks = args.ks
     print(f"\n  {label}: ratio speculation / plain greedy, measured (modelled), exact; {args.tokens} tokens, "
-          f"best of {args.repeats}")
+          f"median of {args.repeats}, each run between two plain runs")
+    args.plain_pairs = []
     print(f"  {'accept':>6} {'a meas':>6} " + " ".join(f"{f'k={k}':>17}" for k in ks)
           + f" {'best fixed k':>13} {'oracle k (model)':>17}"
           + (f" {f'adaptive (k<={max(ks)})':>20} {'/plain':>6} {'/best':>6} {'drafted':>7}" if args.adaptive else ""))
@@ -380,6 +393,9 @@ def sweep(label, model, make_draft, draft_cost, costs, prompt, ref, args):
             line += (f" {f'{ratio:.2f}x':>17} {'ok' if exact else 'NO':>2} {ratio:>5.2f}x "
                      f"{ratio / max(best, 1.0):>5.2f}x {drafted:>7.0%}")
         print(line)
+    pairs = sorted(args.plain_pairs)
+    print(f"  A/A (a plain run / the next one, {len(pairs)} pairs): {pairs[0]:.2f}-{pairs[-1]:.2f}x, middle half "
+          f"{pairs[len(pairs) // 4]:.2f}-{pairs[(3 * len(pairs)) // 4]:.2f}x: what the machine alone moves a run")
 
 
 def run_family(family, args):

@@ -307,20 +307,8 @@ def test_a_plain_starts_prompt_is_not_a_catch_up(monkeypatch):
     2 ms a token and a prompt of 200 tokens: the catch-up the controller is told of is the few
     plain tokens' (under 0.1 s), not the prompt's 0.4 s (which, divided by the plain rounds, made
     any later probe look too costly to make)."""
-    import time
-
     from mlx_lm_patches.mechanisms import adaptive
-
-    class Slow:
-        def __init__(self, model):
-            self.model = model
-
-        def __call__(self, inputs, cache=None, **kwargs):
-            time.sleep(0.002 * inputs.shape[1])
-            return self.model(inputs, cache=cache, **kwargs)
-
-        def __getattr__(self, name):
-            return getattr(self.model, name)
+    from support.counting import CountingModel
 
     catch_ups = []
     observe = adaptive.Controller.observe
@@ -333,7 +321,8 @@ def test_a_plain_starts_prompt_is_not_a_catch_up(monkeypatch):
     model = build_tiny_model(DENSE_MODEL_TYPE, seed=1)
     prompt = prompt_tokens(200, seed=3)
     reference = greedy(model, prompt, max_tokens=TOKENS)
-    got, flags = _speculate(model, Slow(build_tiny_model(DENSE_MODEL_TYPE, seed=1)), prompt, None)
+    got, flags = _speculate(model, CountingModel(build_tiny_model(DENSE_MODEL_TYPE, seed=1), seconds_per_token=0.002),
+                            prompt, None)
     assert reference.compare(got) is None
     assert any(flags), "the sequence never drafted"
     first = next(c for c in catch_ups if c)

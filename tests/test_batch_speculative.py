@@ -21,6 +21,7 @@ from mlx_lm_patches.selftest.scenarios import Decoded, greedy, prompt_tokens
 from mlx_lm_patches.selftest.tiny_models import DENSE_MODEL_TYPE, available_model_types, build_tiny_model, nearby_model
 from mlx_lm_patches.mechanisms.adaptive import forced
 from mlx_lm_patches.patches.batch_speculative_decoding import ATTR, batched_speculative
+from support.counting import CountingModel
 
 import mlx.core as mx  # noqa: E402
 
@@ -159,7 +160,6 @@ def test_the_extracted_cache_is_main_then_draft_and_continues_exactly(model_type
     from mlx_lm.generate import BatchGenerator
     from mlx_lm.models.cache import make_prompt_cache
 
-    from support.counting import CountingModel
 
     model, draft = _models(model_type)
     draft = CountingModel(draft)
@@ -177,7 +177,7 @@ def test_the_extracted_cache_is_main_then_draft_and_continues_exactly(model_type
     assert held == PROMPTS[1] + history  # as stock: the prompt and every emitted token
     follow_up = prompt_tokens(6, seed=40)
     conversation = PROMPTS[1] + history + follow_up
-    draft.lengths.clear()
+    draft.shapes.clear()
     new = conversation[len(held):]
     (uid,) = gen.insert([new], [8], caches=[cache], all_tokens=[held])
     decoded, _, _ = _run(gen, [uid])
@@ -287,21 +287,11 @@ def test_the_server_says_why_it_drafts_with_an_mtp_head_one_request_at_a_time(tm
 def test_adaptive_drafting_stops_drafting_a_draft_never_accepted(model_type):
     """Unforced (the default), a draft that is never accepted is soon left: the draft model is
     called in few of the rounds, the answers equal greedy decoding."""
-    model, draft = build_tiny_model(model_type, seed=1), build_tiny_model(model_type, seed=9)
-    calls = [0]
-
-    class Counted:
-        def __call__(self, *args, **kwargs):
-            calls[0] += 1
-            return draft(*args, **kwargs)
-
-        def __getattr__(self, name):
-            return getattr(draft, name)
-
-    got, steps = batched_speculative(model, Counted(), PROMPTS, max_tokens=40, num_draft_tokens=3)
+    model, draft = build_tiny_model(model_type, seed=1), CountingModel(build_tiny_model(model_type, seed=9))
+    got, steps = batched_speculative(model, draft, PROMPTS, max_tokens=40, num_draft_tokens=3)
     _assert_rows_equal_greedy(model, PROMPTS, got, 40)
     prefill = len(PROMPTS)  # one prefill pass a row (prompts shorter than a prefill step)
-    assert calls[0] - prefill < 40, f"{calls[0] - prefill} draft calls in {steps} rounds"
+    assert draft.calls - prefill < 40, f"{draft.calls - prefill} draft calls in {steps} rounds"
 
 
 
@@ -314,22 +304,13 @@ def test_rounds_after_a_rejection_are_as_wide_as_their_drafts(model_type):
     from mlx_lm.generate import BatchGenerator
 
     model, draft = _models(model_type, scale=0.05)
-    widths = []
-
-    class Recorded:
-        def __call__(self, inputs, *args, **kwargs):
-            widths.append(tuple(inputs.shape))
-            return model(inputs, *args, **kwargs)
-
-        def __getattr__(self, name):
-            return getattr(model, name)
-
+    main = CountingModel(model)
     with forced([3] * 2 + [0] * 30):
-        gen = BatchGenerator(Recorded(), max_tokens=12, draft_model=draft, num_draft_tokens=3)
+        gen = BatchGenerator(main, max_tokens=12, draft_model=draft, num_draft_tokens=3)
     uids = gen.insert([list(p) for p in PROMPTS], [12] * len(PROMPTS))
     decoded, _, _ = _run(gen, uids)
     gen.close()
     _assert_rows_equal_greedy(model, PROMPTS, [decoded[uid] for uid in uids], 12)
-    first = widths.index((len(PROMPTS), 4))  # the prompts' passes come before the first round's
-    rounds = [width for _, width in widths[first:]]
-    assert rounds[:2] == [4, 4] and set(rounds[2:]) == {1}, widths
+    first = main.shapes.index((len(PROMPTS), 4))  # the prompts' passes come before the first round's
+    rounds = main.lengths[first:]
+    assert rounds[:2] == [4, 4] and set(rounds[2:]) == {1}, main.shapes
