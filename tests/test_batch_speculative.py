@@ -160,7 +160,6 @@ def test_the_extracted_cache_is_main_then_draft_and_continues_exactly(model_type
     from mlx_lm.generate import BatchGenerator
     from mlx_lm.models.cache import make_prompt_cache
 
-
     model, draft = _models(model_type)
     draft = CountingModel(draft)
     n_main, n_draft = len(make_prompt_cache(model)), len(make_prompt_cache(draft))

@@ -245,13 +245,13 @@ class Engine:
                     self._set(rec, State.SKIPPED_VERSION, f"{package} {dist.describe()}")
                     continue
                 if dist.is_release and not rec.spec.affects(version):
-                    fixed = f"; fixed in {rec.spec.fixed_in}" if rec.spec.fixed_in else ""
+                    note = f"; fixed in {rec.spec.fixed_in}" if rec.spec.fixed_in else ""
                     if rec.spec.before and rec.spec.older_than_affected(version):
-                        fixed += f": {rec.spec.before}"
+                        note += f": {rec.spec.before}"
                     self._set(
                         rec,
                         State.SKIPPED_VERSION,
-                        f"{package} {dist.describe()} is outside {rec.spec.affected}{fixed}",
+                        f"{package} {dist.describe()} is outside {rec.spec.affected}{note}",
                     )
                     continue
                 unmet = rec.spec.unmet_requirement(self.installed)
