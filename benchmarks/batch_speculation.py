@@ -1,14 +1,18 @@
-"""Concurrent requests with a draft model: batched speculation against batched greedy decoding and
-against speculative requests served one at a time (what ``mlx_lm.server --draft-model`` did).
+"""Concurrent requests with a draft model or the MTP head: batched speculation against batched
+greedy decoding and against speculative requests served one at a time (what ``mlx_lm.server
+--draft-model`` did).
 
     python benchmarks/batch_speculation.py [--rows 4 8] [--accept 0 0.8] [--tokens 48] [--repeats 3]
-        [--family qwen3_5] [--k 3]
+        [--family qwen3_5] [--k 3] [--draft model|mtp]
 
 Models with real proportions (``benchmarks/speculation_costs.py``'s ``proportions``): the main
-model 24 layers of width 256 with an 8192-token vocabulary, the draft the family's smallest pattern
-at half the width (its cost per token, about 1/10 of the main model's, is printed). Acceptance is
-controlled: the draft runs in full and then proposes each row's true next token (from a greedy
-reference run) at a pseudo-random share of the positions, its own proposal elsewhere.
+model 24 layers of width 256 with an 8192-token vocabulary; the draft (``--draft model``) the
+family's smallest pattern at half the width (its cost per token, about 1/10 of the main model's,
+is printed), or (``--draft mtp``) the model's own one-layer MTP head, written to disk with the
+checkpoint and loaded. Acceptance is controlled (``tests/support/batch_hints.py``,
+``tests/support/mtp_drafts.py``): the draft runs in full, then its pick for a row's next
+position is the true token (from a greedy reference run) at a pseudo-random share of the
+positions, its own proposal elsewhere.
 
 Per row count and acceptance, side by side in one process (interleaved runs, best of
 ``--repeats``), aggregate tokens per second of:
@@ -30,6 +34,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # test-only support: hints
 
 
 def hint(share):
@@ -52,27 +57,24 @@ def _held(cache):
 
 
 class Hinted:
-    """The draft model, its proposal for each row's next position replaced by the true token where
-    ``hinted(row, position)``. ``sequences``: each row's prompt + greedy continuation; ``rows``:
-    which request each batch row is (set by the caller as rows join and leave)."""
+    """A draft model for one request at a time, its proposal for the row's next position replaced
+    by the true token where ``hinted(row, position)`` (``row``: set by the caller)."""
 
     def __init__(self, model, sequences, hinted):
         self.model, self.sequences, self.hinted = model, sequences, hinted
-        self.rows = list(range(len(sequences)))
+        self.row = 0
 
     def __call__(self, inputs, cache=None, **kwargs):
         import mlx.core as mx
 
         logits = self.model(inputs, cache=cache, **kwargs)
         held = _held(cache)
-        if held is None or inputs.shape[1] != 1 or len(held) != logits.shape[0]:
+        if held is None or inputs.shape[1] != 1:
             return logits
-        bonus = mx.zeros(logits.shape)
-        for b, (row, target) in enumerate(zip(self.rows, held)):
-            sequence = self.sequences[row]
-            if target < len(sequence) and self.hinted(row, target):
-                bonus[b, -1, sequence[target]] = 1e4
-        return logits + bonus
+        sequence, target = self.sequences[self.row], held[0]
+        if target < len(sequence) and self.hinted(self.row, target):
+            return logits + mx.zeros(logits.shape).at[..., -1, sequence[target]].add(1e4)
+        return logits
 
     def __getattr__(self, name):
         return getattr(self.model, name)
@@ -82,37 +84,48 @@ def greedy_batch(model, prompts, tokens):
     return _batch(model, prompts, tokens)
 
 
-def spec_batch(model, draft, prompts, tokens, k):
-    return _batch(model, prompts, tokens, draft=draft, num_draft_tokens=k)
+def spec_batch(model, draft, prompts, tokens, k, sequences, hinted):
+    return _batch(model, prompts, tokens, draft, sequences, hinted, num_draft_tokens=k)
 
 
-def _batch(model, prompts, tokens, draft=None, **options):
-    """Every prompt through one ``BatchGenerator`` (with ``draft_model=draft`` if given): each
-    row's tokens. A ``Hinted`` draft is told which request each batch row is, round by round."""
+def _batch(model, prompts, tokens, draft=None, sequences=None, hinted=None, **options):
+    """Every prompt through one ``BatchGenerator`` (with ``draft_model=draft`` if given, its
+    proposals hinted towards ``sequences``): each row's tokens."""
     from mlx_lm.generate import BatchGenerator
+
+    from support.batch_hints import hint_proposals
 
     gen = BatchGenerator(model, max_tokens=tokens, **(dict(draft_model=draft, **options) if draft else {}))
     uids = gen.insert([list(p) for p in prompts], [tokens] * len(prompts))
+    if draft is not None:
+        row = {uid: i for i, uid in enumerate(uids)}
+        hint_proposals(gen, {uid: sequences[i] for i, uid in enumerate(uids)},
+                       lambda uid, target: hinted(row[uid], target))
     out = {u: [] for u in uids}
     done = 0
     while done < len(uids):
         for r in gen.next_generated():
             out[r.uid].append(int(r.token))
             done += r.finish_reason is not None
-        if draft is not None:
-            draft.rows = [uids.index(u) for u in gen._generation_batch.uids]
     gen.close()
     return [out[u] for u in uids]
 
 
-def one_at_a_time(model, draft, prompts, tokens, k):
+def one_at_a_time(model, draft, prompts, tokens, k, sequences, hinted):
+    """Each request through ``speculative_generate_step`` after the previous one; ``draft``: a
+    ``Hinted`` draft model, or ``"mtp"`` (the model's head, hinted as ``support/mtp_drafts`` does)."""
     import mlx.core as mx
     from mlx_lm.generate import speculative_generate_step
 
+    from support.mtp_drafts import hinted_draft
+
     results = []
     for row, prompt in enumerate(prompts):
-        draft.rows = [row]
-        steps = speculative_generate_step(mx.array(prompt), model, draft, max_tokens=tokens, num_draft_tokens=k)
+        if draft == "mtp":
+            row_draft = hinted_draft(model, sequences[row], hint=lambda target, row=row: hinted(row, target))
+        else:
+            row_draft, draft.row = draft, row
+        steps = speculative_generate_step(mx.array(prompt), model, row_draft, max_tokens=tokens, num_draft_tokens=k)
         results.append([int(t) for (t, _, _), _ in zip(steps, range(tokens))])
     return results
 
@@ -125,6 +138,8 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--family", default="qwen3_5")
     parser.add_argument("--k", type=int, default=3)
+    parser.add_argument("--draft", choices=("model", "mtp"), default="model",
+                        help="a separate draft model, or the main model's MTP head")
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--vocab", type=int, default=8192)
@@ -140,13 +155,27 @@ def main():
     from mlx_lm_patches.selftest.tiny_models import build_tiny_model
 
     main_shape = proportions(args.family, args.layers, args.hidden, args.vocab)
-    draft_shape = draft_proportions(args.family, args.hidden, args.vocab)
-    model = build_tiny_model(args.family, seed=1, overrides=main_shape)
-    draft_model = build_tiny_model(args.family, seed=2, overrides=draft_shape)
     step = lambda m: _step_seconds(m, args.vocab)  # noqa: E731
-    main_cost, draft_cost = step(model), step(draft_model)
-    print(f"{args.family}: main {describe(main_shape)}; draft {describe(draft_shape)}, "
-          f"a draft step {draft_cost / main_cost:.2f} of a main step; k = {args.k}, {args.tokens} tokens a request")
+    if args.draft == "mtp":
+        import tempfile
+
+        from mlx_lm import load
+
+        from mlx_lm_patches.selftest.mtp_checkpoints import write_mtp_checkpoint
+
+        with tempfile.TemporaryDirectory() as tmp:
+            model = load(str(write_mtp_checkpoint(tmp, args.family, dtype="float32",
+                                                  config_overrides=main_shape).folder))[0]
+        batch_draft, single_draft = model.make_draft_model(), "mtp"
+        drafting = f"its one-layer MTP head ({model.mtp_status.split(',')[0]})"
+    else:
+        draft_shape = draft_proportions(args.family, args.hidden, args.vocab)
+        model = build_tiny_model(args.family, seed=1, overrides=main_shape)
+        batch_draft = build_tiny_model(args.family, seed=2, overrides=draft_shape)
+        single_draft = None  # hinted per run below
+        drafting = (f"draft {describe(draft_shape)}, a draft step {step(batch_draft) / step(model):.2f} "
+                    f"of a main step")
+    print(f"{args.family}: main {describe(main_shape)}; {drafting}; k = {args.k}, {args.tokens} tokens a request")
     print(f"{'rows':>4} {'accept':>6} | {'greedy tok/s':>12} {'batched spec':>12} {'one at a time':>13} | "
           f"{'spec/greedy':>11} {'spec/one-at-a-time':>18} | exact")
     for rows in args.rows:
@@ -154,13 +183,16 @@ def main():
         reference = greedy_batch(model, prompts, args.tokens)
         sequences = [p + r for p, r in zip(prompts, reference)]
         for share in args.accept:
-            draft = Hinted(draft_model, sequences, hint(share))
+            hinted = hint(share)
+            single = single_draft or Hinted(batch_draft, sequences, hinted)
             best = {"greedy": 1e9, "spec": 1e9, "single": 1e9}
             exact = True
             for _ in range(args.repeats):
                 for name, run in (("greedy", lambda: greedy_batch(model, prompts, args.tokens)),
-                                  ("spec", lambda: spec_batch(model, draft, prompts, args.tokens, args.k)),
-                                  ("single", lambda: one_at_a_time(model, draft, prompts, args.tokens, args.k))):
+                                  ("spec", lambda: spec_batch(model, batch_draft, prompts, args.tokens, args.k,
+                                                              sequences, hinted)),
+                                  ("single", lambda: one_at_a_time(model, single, prompts, args.tokens, args.k,
+                                                                   sequences, hinted))):
                     start = time.perf_counter()
                     got = run()
                     best[name] = min(best[name], time.perf_counter() - start)
@@ -168,7 +200,8 @@ def main():
             total = rows * args.tokens
             rate = {name: total / seconds for name, seconds in best.items()}
             print(f"{rows:>4} {share:>6.0%} | {rate['greedy']:>12.1f} {rate['spec']:>12.1f} {rate['single']:>13.1f} | "
-                  f"{rate['spec'] / rate['greedy']:>10.2f}x {rate['spec'] / rate['single']:>17.2f}x | {exact}")
+                  f"{rate['spec'] / rate['greedy']:>10.2f}x {rate['spec'] / rate['single']:>17.2f}x | {exact}",
+                  flush=True)
     mx.clear_cache()
 
 

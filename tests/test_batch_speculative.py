@@ -119,7 +119,7 @@ def test_rows_joining_leaving_and_stopping_on_their_own(model_type):
             ref = Decoded(ref.tokens[:end], ref.logprobs[:end])
         assert ref.compare(decoded[uid]) is None, (uid, ref.compare(decoded[uid]))
     spec = vars(gen._generation_batch)[ATTR]
-    assert spec.pending == [] and spec.draft_cache == []
+    assert spec.pending == [] and spec.drafts.cache == []
     gen.close()
 
 
@@ -200,10 +200,10 @@ def test_supplied_draft_caches_wait_for_their_row_and_go_with_it():
                 cache, held = r.prompt_cache, list(r.all_tokens)
     spec = vars(gen._generation_batch)[ATTR]
     (removed,) = gen.insert([prompt_tokens(4, seed=41)], [6], caches=[cache], all_tokens=[held])
-    assert removed in spec.supplied
+    assert removed in spec.drafts.supplied
     gen.remove([removed])
     (kept,) = gen.insert([list(PROMPTS[1])], [6])
-    assert spec.supplied == {}
+    assert spec.drafts.supplied == {}
     decoded, _, _ = _run(gen, [kept])
     gen.close()
     assert greedy(model, PROMPTS[1], max_tokens=6).compare(decoded[kept]) is None
@@ -261,25 +261,30 @@ def test_the_server_keeps_batching_with_a_draft_model(tmp_path):
     assert provider.is_batchable
     gen = BatchGenerator(provider.model, max_tokens=4)
     spec = vars(gen._generation_batch)[ATTR]
-    assert spec.draft is provider.draft_model and spec.most == 2
+    assert spec.drafts.draft is provider.draft_model and spec.most == 2
     gen.close()
 
 
-def test_the_server_says_why_it_drafts_with_an_mtp_head_one_request_at_a_time(tmp_path, caplog):
-    """``mlx_lm.server --draft-model mtp``: batched drafting with an MTP head is not built, so
-    the server serves those requests one at a time, and its log says so and why."""
-    from mlx_lm_patches.patches.batch_speculative_decoding import MTP_ONE_AT_A_TIME
+def test_the_server_keeps_batching_with_the_mtp_head(tmp_path):
+    """``mlx_lm.server --draft-model mtp`` (0.31.3 and later): the model provider stays
+    batchable and the server's ``BatchGenerator(model, ...)`` drafts with the model's head
+    (the HTTP answers are checked in test_mtp_server.py)."""
+    from mlx_lm.generate import BatchGenerator
+
     from mlx_lm_patches.selftest.mtp_checkpoints import write_mtp_checkpoint
 
     if HYBRID != "qwen3_5":
         pytest.skip("no qwen3_5 in this mlx-lm: its MTP head is the one written here")
     written = write_mtp_checkpoint(tmp_path, HYBRID, dtype="float32")
-    with caplog.at_level("WARNING", logger="mlx_lm_patches"):
-        provider = _provider(tmp_path, "mtp", main=written.folder)
+    provider = _provider(tmp_path, "mtp", main=written.folder)
     if not hasattr(type(provider), "_load"):
         pytest.skip("0.31.2 decides batching in ModelProvider.load: its server is left as stock")
-    assert provider.draft_model is not None and not provider.is_batchable
-    assert f"--draft-model mtp serves concurrent requests one at a time: {MTP_ONE_AT_A_TIME}" in caplog.text
+    assert provider.draft_model is not None and provider.is_batchable
+    gen = BatchGenerator(provider.model, max_tokens=4)
+    spec = vars(gen._generation_batch)[ATTR]
+    assert type(spec.drafts).__name__ == "HeadDrafts" and spec.drafts.draft is provider.draft_model
+    assert spec.most == 2
+    gen.close()
 
 
 @pytest.mark.parametrize("model_type", [HYBRID, DENSE_MODEL_TYPE])

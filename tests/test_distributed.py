@@ -674,13 +674,14 @@ def test_stock_a_rank_raising_alone_fails_the_request_in_bounded_time(pid, stock
 
 def test_draft_model_mtp_says_why_it_serves_one_request_at_a_time(mtp_served):
     """Where the server keeps batching with a draft model (``batch-speculative-decoding``, mlx-lm
-    0.31.3 and later), drafting with the MTP head is not batched: every rank's log says so."""
+    0.31.3 and later), a distributed server drafting with the MTP head does not batch (its ranks
+    would have to agree on every round): every rank's log says so."""
     from mlx_lm.server import ModelProvider
 
-    from mlx_lm_patches.patches.batch_speculative_decoding import MTP_ONE_AT_A_TIME
+    from mlx_lm_patches.patches.batch_speculative_decoding import MTP_DISTRIBUTED
 
     if not affected("batch-speculative-decoding") or not hasattr(ModelProvider, "_load"):
         pytest.skip("this release's server keeps no batching with a draft model")
     said = re.findall(rf"^mlx-lm-patches: mlx_lm.server --draft-model mtp serves concurrent requests one at a "
-                      rf"time: {re.escape(MTP_ONE_AT_A_TIME)}$", mtp_served["log"], re.M)  # the package's own lines
+                      rf"time: {re.escape(MTP_DISTRIBUTED)}$", mtp_served["log"], re.M)  # the package's own lines
     assert len(said) == RANKS, mtp_served["log"][-3000:]

@@ -34,9 +34,10 @@ DOCUMENT = " ".join(f"fact {i} is about item{i % 7}." for i in range(24))
 class Server:
     """One ``mlx_lm.server`` subprocess on a free local port; stderr goes to a file."""
 
-    def __init__(self, folder, log_path, *extra, via_run=False):
+    def __init__(self, folder, log_path, *extra, via_run=False, debug=False):
         """``via_run``: ``python -m mlx_lm_patches run -m mlx_lm.server`` with automatic
-        activation off (the documented way in without the ``.pth``)."""
+        activation off (the documented way in without the ``.pth``); ``debug``: the package's
+        debug lines in the log."""
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             self.port = probe.getsockname()[1]
@@ -44,7 +45,7 @@ class Server:
         self._log = open(log_path, "w")
         command = ([sys.executable, "-m", "mlx_lm_patches", "run", "-m", "mlx_lm.server"] if via_run
                    else [os.path.join(os.path.dirname(sys.executable), "mlx_lm.server")])
-        env = clean_env(MLX_LM_PATCHES="0") if via_run else clean_env()
+        env = clean_env(MLX_LM_PATCHES="0") if via_run else clean_env(MLX_LM_PATCHES_DEBUG="1" if debug else None)
         self.proc = subprocess.Popen([*command, "--model", str(folder), "--host", "127.0.0.1", "--port", str(self.port),
                                       *extra], stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd="/")
 
@@ -152,7 +153,7 @@ def checkpoint(tmp_path_factory):
 
 def test_server_draft_model_mtp_answers_exactly_as_without_a_draft(checkpoint, tmp_path):
     plain = Server(checkpoint, tmp_path / "plain.log")
-    mtp = Server(checkpoint, tmp_path / "mtp.log", "--draft-model", "mtp", "--num-draft-tokens", "2")
+    mtp = Server(checkpoint, tmp_path / "mtp.log", "--draft-model", "mtp", "--num-draft-tokens", "2", debug=True)
     via_run = Server(checkpoint, tmp_path / "run.log", "--draft-model", "mtp", "--num-draft-tokens", "2", via_run=True)
     # the same way in with a draft model's folder (the hybrid checkpoint drafting for itself)
     path_via_run = Server(checkpoint, tmp_path / "run-path.log", "--draft-model", str(checkpoint),
@@ -162,6 +163,10 @@ def test_server_draft_model_mtp_answers_exactly_as_without_a_draft(checkpoint, t
         chat = _stock_chat_works(plain)
         reference = _session(plain, chat)
         got = _session(mtp, chat)
+        # four requests of different lengths at once: where the server batches with a draft
+        # (batch-speculative-decoding), its generator drafts for all of them with the head
+        alone = [_complete(plain.client(), prompt) for prompt in AT_ONCE]
+        together = _at_once(mtp, AT_ONCE)
         assert via_run.wait_ready(), f"server exited:\n{via_run.log[-3000:]}"
         got_via_run = _complete(via_run.client(), PROMPT)
         assert path_via_run.wait_ready(), f"server exited:\n{path_via_run.log[-3000:]}"
@@ -173,8 +178,40 @@ def test_server_draft_model_mtp_answers_exactly_as_without_a_draft(checkpoint, t
         path_via_run.stop()
     assert all(text for text, _ in reference.values()), reference
     assert got == reference, f"{got} != {reference}\n--- server log ---\n{mtp.log[-3000:]}"
+    assert together == alone, f"{together} != {alone}\n--- server log ---\n{mtp.log[-3000:]}"
+    batched = "BatchGenerator speculates with a draft model" in mtp.log
+    assert batched == _batches_with_a_draft(), mtp.log[-3000:]
     assert got_via_run == reference["completion"], f"run -m mlx_lm.server:\n{via_run.log[-3000:]}"
     assert got_path_via_run == reference["completion"], f"run -m mlx_lm.server --draft-model PATH:\n{path_via_run.log[-3000:]}"
+
+
+AT_ONCE = [PROMPT, STREAMED_PROMPT, DOCUMENT + " third question?", "one two three four five six"]
+
+
+def _at_once(server, prompts):
+    """Text completions of ``prompts`` sent from as many threads at once; results in order."""
+    import concurrent.futures
+    import threading
+
+    barrier = threading.Barrier(len(prompts))
+
+    def ask(prompt):
+        client = server.client()
+        barrier.wait(timeout=30)
+        return _complete(client, prompt)
+
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(ask, prompts))
+
+
+def _batches_with_a_draft():
+    """Whether this release's server batches requests with a draft model (0.31.3 and later,
+    with the patch): before, ``ModelProvider.load`` decides batching itself."""
+    from mlx_lm.server import ModelProvider
+
+    from conftest import affected
+
+    return affected("batch-speculative-decoding") and hasattr(ModelProvider, "_load")
 
 
 def test_server_draft_model_mtp_without_a_head_names_what_is_missing(tmp_path):

@@ -9,7 +9,9 @@ A round, for a batch of ``B`` rows and ``k`` draft tokens (``W = k + 1``):
   caches hold the known sequence but its last token.
 * **Draft.** ``k + 1`` single-token calls of the draft model for the whole batch: the last known
   token, then each token it proposes (the last call only puts ``d_k`` into its caches, so every
-  row's draft cache can be cut back to what the row accepts).
+  row's draft cache can be cut back to what the row accepts) - :class:`ModelDrafts`. Or the
+  main model's MTP head, from the hidden states of the main model's passes
+  (``mechanisms/mtp/batched.py``).
 * **Verify.** One call of the main model over ``W`` tokens per row: its pending tokens, then as
   many of its drafts as fit (a row with logits processors takes none: its next token is sampled
   from processed logits, as ``GenerationBatch`` does, and any draft slot is filled and refused).
@@ -144,38 +146,18 @@ def _settled(model, caches, held: List[int], wanted: List[int]):
     return caches, list(held)
 
 
-class Speculation:
-    """The speculative state of one ``GenerationBatch``: the draft model and its batch caches,
-    each row's pending tokens and the tokens its draft caches miss (decoded in rounds without
-    drafts), and the choice of the draft length of each round (``mechanisms/adaptive.py``, one
-    controller for the batch: its rounds' times and every row's acceptance), unless
-    ``MLX_LM_PATCHES_ADAPTIVE_DRAFTING=0``.
+class ModelDrafts:
+    """The drafting of a batch by a draft model: its batch caches, which hold every row's known
+    tokens but the last (``behind``: the tokens they miss, decoded in rounds without drafts),
+    and the draft caches supplied with rows that have not joined yet."""
 
-    A row's tokens are emitted when the main model is fed them, as mlx-lm's own step does: the
-    token sampled last in a round stays pending, unemitted, to the next round. So a round
-    without drafts can be mlx-lm's own pipelined step (:meth:`stock_step`) whenever every row
-    has just that one token pending and no row has logits processors; ``marks`` then holds each
-    row's token count when mlx-lm took over, and :meth:`take_back` reads its state back."""
-
-    def __init__(self, draft, num_draft_tokens: int, prefill_step_size: int, main_has_recurrent: bool):
-        from mlx_lm_patches.engine import env
-        from mlx_lm_patches.mechanisms.adaptive import Controller, forced_schedule
-
+    def __init__(self, draft, prefill_step_size: int):
         self.draft = draft
-        self.most = max(1, int(num_draft_tokens))
         self.prefill_step_size = prefill_step_size
-        self.main_has_recurrent = main_has_recurrent
-        self.draft_cache = []
+        self.cache = []
         self.supplied = {}  # uid -> (its supplied draft caches, the tokens they hold): see join
-        self.pending = []  # per row: [(token, logprobs, emitted)]
         self.behind = []  # per row: tokens its draft caches miss (before the last known one)
-        schedule = forced_schedule()
-        adaptive = schedule is not None or env.setting(env.ADAPTIVE_DRAFTING)
-        self.controller = Controller(self.most, schedule, plain_start=True) if adaptive else None
-        self.last_k = None
-        self.marks = None  # while mlx-lm's own steps decode: each row's token count when they began
-
-    # -- rows joining and leaving -------------------------------------------------------------
+        self.states = None  # the recurrent states after each call of the last round's drafting
 
     def supply(self, uid: int, caches, held: List[int]) -> None:
         """Draft caches supplied with a row (after its main caches), holding ``held``: the row's
@@ -190,10 +172,10 @@ class Speculation:
             there = set(present(list(self.supplied)))
             self.supplied = {uid: v for uid, v in self.supplied.items() if uid in there}
 
-    def join(self, tokens: List[List[int]], first_tokens, first_logprobs, uids=()) -> None:
-        """New rows (their known tokens in the main model's caches, and the token sampled after
-        them, not yet emitted): their draft caches are prefilled with the same tokens, from the
-        draft caches supplied with the row where they hold the start of them."""
+    def join(self, tokens: List[List[int]], uids) -> None:
+        """New rows (their known tokens but the last sampled one): their draft caches are
+        prefilled with the same tokens, from the draft caches supplied with the row where they
+        hold the start of them."""
         import sys
 
         import mlx.core as mx
@@ -201,7 +183,7 @@ class Speculation:
         generate = sys.modules[GENERATE]
         make_prompt_cache = sys.modules[CACHE].make_prompt_cache
         row_caches = []
-        for uid, history in zip(list(uids) or [None] * len(tokens), tokens):
+        for uid, history in zip(uids, tokens):
             cache, held = self.supplied.pop(uid, (None, []))
             if cache is None or history[:len(held)] != held:
                 cache, held = make_prompt_cache(self.draft), []
@@ -209,36 +191,144 @@ class Speculation:
                 self.draft(mx.array(history[start:start + self.prefill_step_size])[None], cache=cache)
                 mx.eval([c.state for c in cache])
             row_caches.append(cache)
+        self.cache = generate._extend_cache(self.cache, generate._merge_caches(row_caches))
+        self.behind.extend([] for _ in tokens)
+
+    def keep_rows(self, keep: List[int]) -> None:
+        self.behind = [self.behind[i] for i in keep]
+        if not keep:
+            self.cache = []
+        else:
+            for c in self.cache:
+                c.filter(keep)
+
+    def _extract(self, idx: int):
+        return [c.extract(idx) for c in self.cache]
+
+    def of_finished(self, i: int, known: List[int], wanted: List[int]):
+        """The draft caches of row ``i`` (its known tokens ``known``), holding ``wanted``."""
+        in_draft = known[:len(known) - 1 - len(self.behind[i])]
+        return _settled(self.draft, self._extract(i), in_draft, wanted)[0]
+
+    def stock_fed(self, fed: List[List[int]]) -> None:
+        """mlx-lm's own steps fed each row ``fed[i]``: tokens its draft misses."""
+        for behind, tokens in zip(self.behind, fed):
+            behind.extend(tokens)
+
+    def stock_stepped(self, batch, before_uids) -> None:
+        """After one of mlx-lm's own steps (what it fed is read back from ``tokens`` later)."""
+
+    def catch_up(self, batch, pending) -> float:
+        """Feed the draft the tokens its rows missed: one pass when every row missed as many,
+        else one token a call for every row, each row kept at its own length."""
+        import time
+
+        import mlx.core as mx
+
+        lags = [len(b) for b in self.behind]
+        most = max(lags, default=0)
+        if not most:
+            return 0.0
+        start = time.perf_counter()
+        if min(lags) == most:
+            self.draft(mx.array(self.behind), cache=self.cache)
+        else:
+            states = [_states(self.cache)]
+            for j in range(most):
+                column = [b[j] if j < len(b) else b[-1] if b else 0 for b in self.behind]
+                self.draft(mx.array(column)[:, None], cache=self.cache)
+                states.append(_states(self.cache))
+            rewind_rows(self.cache, most, lags, states)
+        mx.eval([c.state for c in self.cache])
+        self.behind = [[] for _ in self.behind]
+        return time.perf_counter() - start
+
+    def propose(self, batch, pending, k: int, sample):
+        """``k`` proposals per row (``[B, 1]`` each): ``k + 1`` single-token calls of the draft,
+        the recurrent states kept after each (the last call only puts the last proposal into
+        its caches, so a row can keep every proposal it accepts)."""
+        import mlx.core as mx
+
+        self.states, proposals = [_states(self.cache)], []
+        x = mx.array([p[-1][0] for p in pending])[:, None]
+        for j in range(k + 1):
+            logits = self.draft(x, cache=self.cache)[:, -1, :]
+            self.states.append(_states(self.cache))
+            if j < k:
+                x = sample((logits - mx.logsumexp(logits, axis=-1, keepdims=True))[:, None])
+                proposals.append(x)
+        return proposals
+
+    def to_evaluate(self):
+        return _padding(self.cache)
+
+    def settle(self, k: int, rows, hidden=None) -> None:
+        """After the verify pass: ``rows[i]`` is ``(start, fed, accepted, new, last_known)``, row
+        ``i`` fed from position ``start`` its ``fed`` pending tokens then ``accepted`` drafts,
+        and took a new token after them (``new``), ``last_known`` its token before the round."""
+        if k:
+            rewind_rows(self.cache, k + 1, [1 + accepted if new else 0 for _, _, accepted, new, _ in rows],
+                        self.states)
+        else:
+            for behind, (_, _, _, new, last_known) in zip(self.behind, rows):
+                if new:
+                    behind.append(last_known)
+        self.states = None
+
+
+class Speculation:
+    """The speculative state of one ``GenerationBatch``: its drafting (:class:`ModelDrafts`, or
+    ``mechanisms/mtp/batched.HeadDrafts`` for a model's MTP head), each row's pending tokens,
+    and the choice of the draft length of each round (``mechanisms/adaptive.py``, one
+    controller for the batch: its rounds' times and every row's acceptance), unless
+    ``MLX_LM_PATCHES_ADAPTIVE_DRAFTING=0``.
+
+    A row's tokens are emitted when the main model is fed them, as mlx-lm's own step does: the
+    token sampled last in a round stays pending, unemitted, to the next round. So a round
+    without drafts can be mlx-lm's own pipelined step (:meth:`stock_step`) whenever every row
+    has just that one token pending and no row has logits processors; ``marks`` then holds each
+    row's token count when mlx-lm took over, and :meth:`take_back` reads its state back."""
+
+    def __init__(self, drafts, num_draft_tokens: int, main_has_recurrent: bool):
+        from mlx_lm_patches.engine import env
+        from mlx_lm_patches.mechanisms.adaptive import Controller, forced_schedule
+
+        self.drafts = drafts
+        self.most = max(1, int(num_draft_tokens))
+        self.main_has_recurrent = main_has_recurrent
+        self.pending = []  # per row: [(token, logprobs, emitted)]
+        schedule = forced_schedule()
+        adaptive = schedule is not None or env.setting(env.ADAPTIVE_DRAFTING)
+        self.controller = Controller(self.most, schedule, plain_start=True) if adaptive else None
+        self.last_k = None
+        self.marks = None  # while mlx-lm's own steps decode: each row's token count when they began
+
+    # -- rows joining and leaving -------------------------------------------------------------
+
+    def join(self, tokens: List[List[int]], first_tokens, first_logprobs, uids=()) -> None:
+        """New rows (their known tokens in the main model's caches, and the token sampled after
+        them, not yet emitted)."""
         firsts = first_tokens.tolist() if first_tokens is not None else []
         if self.marks is not None:
             self.marks.extend(len(history) for history in tokens)
-        self.draft_cache = generate._extend_cache(self.draft_cache, generate._merge_caches(row_caches))
+        self.drafts.join(tokens, list(uids) or [None] * len(tokens))
         self.pending.extend([(int(t), lp, False)] for t, lp in zip(firsts, first_logprobs))
-        self.behind.extend([] for _ in firsts)
 
     def keep_rows(self, keep: List[int]) -> None:
         self.pending = [self.pending[i] for i in keep]
-        self.behind = [self.behind[i] for i in keep]
         if self.marks is not None:
             self.marks = [self.marks[i] for i in keep]
-        if not keep:
-            self.draft_cache = []
-        else:
-            for c in self.draft_cache:
-                c.filter(keep)
-
-    def extract_draft(self, idx: int):
-        return [c.extract(idx) for c in self.draft_cache]
+        self.drafts.keep_rows(keep)
 
     def draft_of_finished(self, batch, idx: int):
         """The draft caches of row ``idx`` as mlx-lm's own step finishes it (or extracts it): while
         its steps decode, brought to hold what the main caches hold (``batch.tokens[idx]``)."""
-        if self.marks is None:
-            return self.extract_draft(idx)
         tokens = batch.tokens[idx]
-        missed = len(self.behind[idx]) + len(tokens) - self.marks[idx]
-        draft, _ = _settled(self.draft, self.extract_draft(idx), tokens[:len(tokens) - missed], tokens)
-        return draft
+        known = tokens + [t for t, _, _ in self.pending[idx]] if self.marks is None else tokens + [0]
+        if self.marks is not None:  # what mlx-lm fed since it took over is not in the draft yet
+            self.drafts.stock_fed([[] if j != idx else tokens[self.marks[idx]:] for j in range(len(self.pending))])
+            self.marks[idx] = len(tokens)
+        return self.drafts.of_finished(idx, known, tokens)
 
     def finished_row(self, batch, i: int, discarded: int):
         """A row that finished with its last ``discarded`` emitted tokens of the round not taken
@@ -250,9 +340,7 @@ class Speculation:
         unemitted = sum(1 for _, _, done in self.pending[i] if not done)
         wanted = known[:len(known) - discarded - unemitted]
         main, held = _settled(batch.model, [c.extract(i) for c in batch.prompt_cache], batch.tokens[i], wanted)
-        in_draft = known[:len(known) - 1 - len(self.behind[i])]
-        draft, _ = _settled(self.draft, self.extract_draft(i), in_draft, wanted)
-        return main + draft, held
+        return main + self.drafts.of_finished(i, known, wanted), held
 
     # -- a round ------------------------------------------------------------------------------
 
@@ -282,10 +370,12 @@ class Speculation:
             batch._next_tokens = mx.array([p[0][0] for p in self.pending])
             batch._next_logprobs = [p[0][1] for p in self.pending]
             self.marks = [len(t) for t in batch.tokens]
+        uids = list(batch.uids)
         start = time.perf_counter()
         out = step()
         if self.controller is not None:
             self.controller.observe(0, 0, time.perf_counter() - start, first=self.last_k != 0)
+        self.drafts.stock_stepped(batch, uids)
         self.last_k = 0
         return out
 
@@ -296,8 +386,7 @@ class Speculation:
             return
         tokens = batch._next_tokens.tolist() if batch.uids else []
         self.pending = [[(t, lp, False)] for t, lp in zip(tokens, batch._next_logprobs)]
-        for behind, mark, fed in zip(self.behind, self.marks, batch.tokens):
-            behind.extend(fed[mark:])
+        self.drafts.stock_fed([fed[mark:] for mark, fed in zip(self.marks, batch.tokens)])
         self.marks = None
 
     def round(self, batch, k: int):
@@ -306,7 +395,7 @@ class Speculation:
         object's state are moved forward."""
         import time
 
-        catch_up = self._catch_up() if k else 0.0
+        catch_up = self.drafts.catch_up(batch, self.pending) if k else 0.0
         start = time.perf_counter()
         emitted, kept = self._round(batch, k)
         seconds = time.perf_counter() - start
@@ -315,31 +404,6 @@ class Speculation:
                                     first=k != self.last_k, rows=kept)
         self.last_k = k
         return emitted
-
-    def _catch_up(self) -> float:
-        """Feed the draft the tokens its rows missed: one pass when every row missed as many,
-        else one token a call for every row, each row kept at its own length."""
-        import time
-
-        import mlx.core as mx
-
-        lags = [len(b) for b in self.behind]
-        most = max(lags, default=0)
-        if not most:
-            return 0.0
-        start = time.perf_counter()
-        if min(lags) == most:
-            self.draft(mx.array(self.behind), cache=self.draft_cache)
-        else:
-            states = [_states(self.draft_cache)]
-            for j in range(most):
-                column = [b[j] if j < len(b) else b[-1] if b else 0 for b in self.behind]
-                self.draft(mx.array(column)[:, None], cache=self.draft_cache)
-                states.append(_states(self.draft_cache))
-            rewind_rows(self.draft_cache, most, lags, states)
-        mx.eval([c.state for c in self.draft_cache])
-        self.behind = [[] for _ in self.behind]
-        return time.perf_counter() - start
 
     def _round(self, batch, k):
         import mlx.core as mx
@@ -358,17 +422,7 @@ class Speculation:
                 return samplers[0](logprobs.reshape(rows * n, -1)).reshape(rows, n)
             return mx.stack([s(logprobs[i]) for i, s in enumerate(samplers)])
 
-        # draft: k + 1 single-token calls, the recurrent states kept after each (the last call
-        # only puts its last proposal into its caches); none in a round without drafts
-        draft_states, proposals = [_states(self.draft_cache)], []
-        if k:
-            x = mx.array([p[-1][0] for p in self.pending])[:, None]
-            for j in range(k + 1):
-                logits = self.draft(x, cache=self.draft_cache)[:, -1, :]
-                draft_states.append(_states(self.draft_cache))
-                if j < k:
-                    x = sample((logits - mx.logsumexp(logits, axis=-1, keepdims=True))[:, None])
-                    proposals.append(x)
+        proposals = self.drafts.propose(batch, self.pending, k, sample) if k else []
 
         # verify: each row's pending tokens (at most ``width``), then as many of its drafts as fit
         # (the rest of a row's slots: a filler that is never accepted)
@@ -383,12 +437,13 @@ class Speculation:
         logits = batch.model(inputs, cache=batch.prompt_cache)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         picked = sample(logprobs)
-        mx.eval(picked, inputs, logprobs, _padding(batch.prompt_cache), _padding(self.draft_cache))
+        mx.eval(picked, inputs, logprobs, _padding(batch.prompt_cache), self.drafts.to_evaluate())
 
         picked_rows, input_rows = picked.tolist(), inputs.tolist()
-        emitted, kept, main_keep, draft_keep = [], [], [], []
+        emitted, kept, main_keep, rows = [], [], [], []
         for i in range(B):
-            n = fed[i]
+            n, start = fed[i], len(batch.tokens[i])
+            last_known = self.pending[i][-1][0]
             if n < counts[i]:
                 # a hybrid row back from a rejected round with more pending tokens than the round
                 # is wide: it feeds the first ones (already emitted) and keeps them; no new token
@@ -396,11 +451,9 @@ class Speculation:
                 batch.tokens[i].extend(t for t, _, _ in self.pending[i][:n])
                 main_keep.append(n)
                 self.pending[i] = self.pending[i][n:]
-                if k:
-                    draft_keep.append(0)  # its known tokens did not change: the draft goes back
+                rows.append((start, n, 0, False, last_known))
                 continue
             at = n - 1
-            last_known = self.pending[i][-1][0]
             row_logprobs = logprobs[i]
             if processors[i]:
                 context = mx.array(batch.tokens[i] + [t for t, _, _ in self.pending[i]])
@@ -421,6 +474,7 @@ class Speculation:
             if slots[i]:
                 kept.append((len(accepted), slots[i]))
             taken = n + len(accepted)
+            rows.append((start, n, len(accepted), True, last_known))
             if not self.main_has_recurrent or taken == width:
                 batch.tokens[i].extend(t for t, _, _ in self.pending[i])
                 batch.tokens[i].extend(t for t, _ in accepted)
@@ -430,11 +484,6 @@ class Speculation:
                 main_keep.append(0)
                 self.pending[i] = ([(t, lp, True) for t, lp, _ in self.pending[i]]
                                    + [(t, lp, True) for t, lp in accepted] + [(bonus, bonus_logprobs, False)])
-            if k:
-                draft_keep.append(1 + len(accepted))
-            else:
-                self.behind[i].append(last_known)
         rewind_rows(batch.prompt_cache, width, main_keep, [main_states] if main_states else None)
-        if k:
-            rewind_rows(self.draft_cache, k + 1, draft_keep, draft_states)
+        self.drafts.settle(k, rows)
         return emitted, kept

@@ -1,20 +1,22 @@
-"""Concurrent requests with a draft model decode together, speculatively.
+"""Concurrent requests with a draft model or an MTP head decode together, speculatively.
 
 Bug
-    ``BatchGenerator`` has no draft model, and ``mlx_lm.server --draft-model PATH`` sets
-    ``is_batchable = False``: concurrent requests are served one at a time, so turning on
+    ``BatchGenerator`` has no draft model, and ``mlx_lm.server --draft-model PATH`` (or ``mtp``)
+    sets ``is_batchable = False``: concurrent requests are served one at a time, so turning on
     speculation to go faster loses the server's batching (4 concurrent chats took 1.08x the time
     of the same 4 sent one after another).
 
 Fix
     ``BatchGenerator(model, draft_model=..., num_draft_tokens=k)`` speculates in its generation
     batch (``mechanisms/batch_speculation.py``): every row drafts, one batched pass verifies all,
-    each row accepts its own tokens and goes back on its own. A row's extracted cache is its
-    main caches then its draft caches, as ``mlx_lm.server``'s one-at-a-time path stores them; a
-    supplied cache of that shape gives the main model its part and, with ``all_tokens``, the
-    draft its start (else the draft is prefilled when the row starts generating). The server (not distributed, a draft path, not
-    ``mtp``) keeps batching and hands its generator the draft and ``--num-draft-tokens``. Caches
-    other than ``KVCache`` and ``ArraysCache`` (rotating windows, quantized caches) leave the
+    each row accepts its own tokens and goes back on its own. The draft is a draft model, or
+    ``model.make_draft_model()``: the model's MTP head drafting for all rows in one pass
+    (``mechanisms/mtp/batched.py``). A row's extracted cache is its main caches then its draft
+    caches, as ``mlx_lm.server``'s one-at-a-time path stores them; a supplied cache of that
+    shape gives the main model its part and, with ``all_tokens``, a draft model its start. The
+    server (not distributed) keeps batching and hands its generators the draft and
+    ``--num-draft-tokens``. Caches other than ``KVCache`` and ``ArraysCache`` (rotating windows,
+    quantized caches; a head's other than ``KVCache``, or a head of several layers) leave the
     generator decoding plainly, batched, with one warning.
 
 Retire
@@ -37,6 +39,7 @@ CACHE = "mlx_lm.models.cache"
 ATTR = "_mlx_lm_patches_speculation"
 CAPPED = "num_draft_tokens settings already reported as capped"
 
+PROMPTS = "_mlx_lm_patches_head_drafts"  # on a prompt batch whose passes an MTP head reads: its HeadDrafts
 SERVER_DRAFT = "_mlx_lm_patches_server_draft"  # on a main model the server loaded: (draft, num_draft_tokens)
 
 log = logging.getLogger("mlx_lm_patches")
@@ -51,21 +54,39 @@ def _detach(batch) -> None:
     vars(batch).pop("next", None)
 
 
+def _drafting(draft, main_caches, prefill_step_size):
+    """``(drafts, why not)``: the batch drafting for ``draft`` (a draft model, or a model's MTP
+    draft), or why these caches cannot host it."""
+    from mlx_lm_patches.mechanisms import batch_speculation
+    from mlx_lm_patches.mechanisms.mtp import batched
+    from mlx_lm_patches.mechanisms.mtp.decoding import MTPDraft
+
+    why = batch_speculation.unhostable(main_caches)
+    if isinstance(draft, MTPDraft):
+        return batched.HeadDrafts(draft), why or batched.unhostable(draft)
+    make_prompt_cache = sys.modules[CACHE].make_prompt_cache
+    drafts = batch_speculation.ModelDrafts(draft, prefill_step_size)
+    return drafts, why or batch_speculation.unhostable(make_prompt_cache(draft))
+
+
 def _attach(p, generator, model, draft, num_draft_tokens) -> None:
-    from mlx_lm_patches.mechanisms.batch_speculation import Speculation, unhostable
+    from mlx_lm_patches.mechanisms.batch_speculation import Speculation
     from mlx_lm_patches.mechanisms.caches import has_recurrent_state
     from mlx_lm_patches.mechanisms.journal import draft_budget
 
     make_prompt_cache = sys.modules[CACHE].make_prompt_cache
     main_caches = make_prompt_cache(model, generator.max_kv_size)
-    why = unhostable(main_caches) or unhostable(make_prompt_cache(draft))
+    drafts, why = _drafting(draft, main_caches, generator.prefill_step_size)
     if has_recurrent_state(main_caches):  # the same bound as one sequence's rollback (a round keeps k + 2 states)
         num_draft_tokens = draft_budget(num_draft_tokens, num_draft_tokens, p.memo.setdefault(CAPPED, set()))
         why = why or (None if num_draft_tokens else "no draft token fits the rollback budget")
     if why:
         log.warning("mlx-lm-patches: BatchGenerator with a draft model decodes without drafting: %s", why)
         return
-    spec = Speculation(draft, num_draft_tokens, generator.prefill_step_size, has_recurrent_state(main_caches))
+    spec = Speculation(drafts, num_draft_tokens, has_recurrent_state(main_caches))
+    if hasattr(drafts, "prompt_pass"):  # the head reads the prompt passes of this generator's prompt batch
+        vars(generator._prompt_batch)[PROMPTS] = drafts
+        p.track(generator._prompt_batch, _forget_prompts, "a prompt batch whose passes an MTP head reads")
     batch = generator._generation_batch
     vars(batch)[ATTR] = spec
     # only this generator's batch decodes speculatively: plain batches never call into the package
@@ -74,6 +95,41 @@ def _attach(p, generator, model, draft, num_draft_tokens) -> None:
     log.debug("mlx-lm-patches: BatchGenerator speculates with a draft model, up to %d draft tokens a round",
               spec.most)
     vars(generator)[ATTR] = (len(main_caches), len(make_prompt_cache(draft)), draft)
+
+
+def _forget_prompts(prompt_batch) -> None:
+    vars(prompt_batch).pop(PROMPTS, None)
+
+
+def _prompt_split(wrapped, instance, args, kwargs):
+    """``PromptProcessingBatch.split``: the rows split off (to start generating: their last
+    prompt pass comes in ``generate``) stay read by the head."""
+    out = wrapped(*args, **kwargs)
+    drafts = vars(instance).get(PROMPTS)
+    if drafts is not None:
+        vars(out)[PROMPTS] = drafts
+    return out
+
+
+def _prompt_pass(wrapped, instance, args, kwargs):
+    """``PromptProcessingBatch.prompt`` of a generator drafting with an MTP head: the main
+    model's hidden states of its passes go to the head (each row's part of the right-padded
+    tokens, from the position its tokens so far end at)."""
+    drafts = vars(instance).get(PROMPTS)
+    tokens = args[0] if args else kwargs.get("tokens")
+    if drafts is None or not tokens:
+        return wrapped(*args, **kwargs)
+    uids, starts, lengths = list(instance.uids), [len(t) for t in instance.tokens], [len(t) for t in tokens]
+    passes = []
+    drafts.capture.taps.append(passes.append)
+    try:
+        out = wrapped(*args, **kwargs)
+    finally:
+        drafts.capture.taps.remove(passes.append)
+    states = [p[drafts.kind] for p in passes if p.get(drafts.kind) is not None]
+    if states and len(uids) == len(tokens):
+        drafts.prompt_pass(uids, starts, lengths, states)
+    return out
 
 
 def _init(p, wrapped, instance, args, kwargs):
@@ -100,7 +156,7 @@ def _insert_segments(wrapped, instance, args, kwargs):
 
     spec = _speculation(instance._generation_batch)
     if spec is not None:
-        spec.forget_supplied(lambda wanted: instance._find_uids(wanted))
+        spec.drafts.forget_supplied(lambda wanted: instance._find_uids(wanted))
     bound = bind_arguments(wrapped, args, kwargs)
     caches = bound.arguments.get("caches")
     if not caches:
@@ -113,7 +169,7 @@ def _insert_segments(wrapped, instance, args, kwargs):
     if spec is not None:
         for uid, c, whole, tokens in zip(uids, caches, full, held):
             if whole and tokens:
-                spec.supply(uid, list(c[n_main:]), tokens)
+                spec.drafts.supply(uid, list(c[n_main:]), tokens)
     return uids
 
 
@@ -213,15 +269,16 @@ def _forget_server_draft(model):
     vars(model).pop(SERVER_DRAFT, None)
 
 
-# why a server drafting with an MTP head serves its requests one at a time (logged at each load;
-# a distributed server takes no draft path, only ``mtp``)
-MTP_ONE_AT_A_TIME = "batched drafting with an MTP head is not built yet"
+# why a distributed server drafting with an MTP head serves its requests one at a time (a
+# distributed server takes no draft path, only ``mtp``)
+MTP_DISTRIBUTED = ("batched drafting across ranks is not built (every rank would have to take the same "
+                   "draft length for every round)")
 
 
 def _server_load(p, wrapped, instance, args, kwargs):
-    """``ModelProvider._load``: with a draft model (a path, not ``mtp``) the server keeps
-    batching, and its generators speculate with the draft; otherwise it says why it serves
-    requests one at a time."""
+    """``ModelProvider._load``: with a draft model (a path, or ``mtp`` on one machine) the server
+    keeps batching, and its generators speculate with the draft; otherwise it says why it
+    serves requests one at a time."""
     from mlx_lm_patches.mechanisms.calls import bind_arguments
 
     out = wrapped(*args, **kwargs)
@@ -229,16 +286,15 @@ def _server_load(p, wrapped, instance, args, kwargs):
     draft = getattr(instance, "draft_model", None)
     if draft is None:
         return out
-    make_prompt_cache = sys.modules[CACHE].make_prompt_cache
-    from mlx_lm_patches.mechanisms.batch_speculation import unhostable
-
     model = instance.model
-    if path == "mtp":
-        why = MTP_ONE_AT_A_TIME
+    main = sys.modules[CACHE].make_prompt_cache(model)
+    if path == "mtp" and getattr(instance, "is_distributed", False):
+        why = MTP_DISTRIBUTED
     else:
-        main, drafts = make_prompt_cache(model), make_prompt_cache(draft)
-        merging = all(hasattr(c, "merge") for c in main + drafts)
-        why = unhostable(main) or unhostable(drafts) or (None if merging else "a cache of the models cannot be batched")
+        drafts, why = _drafting(draft, main, 2048)
+        own = sys.modules[CACHE].make_prompt_cache(draft) if hasattr(drafts, "prefill_step_size") else []
+        merging = all(hasattr(c, "merge") for c in main + own)
+        why = why or (None if merging else "a cache of the models cannot be batched")
     if why:
         log.warning("mlx-lm-patches: mlx_lm.server --draft-model %s serves concurrent requests one at a time: %s",
                     path, why)
@@ -256,6 +312,8 @@ def apply(p):
     p.wrap(f"{GENERATE}:GenerationBatch.extend", _batch_extend)
     p.wrap(f"{GENERATE}:GenerationBatch.filter", _batch_filter)
     p.wrap(f"{GENERATE}:GenerationBatch.extract_cache", _batch_extract)
+    p.wrap(f"{GENERATE}:PromptProcessingBatch.prompt", _prompt_pass)
+    p.wrap(f"{GENERATE}:PromptProcessingBatch.split", _prompt_split)
     p.wrap_if_present(f"{SERVER}:ModelProvider._load", functools.partial(_server_load, p))
 
 
@@ -277,8 +335,9 @@ SCHEDULE = (3, 3, 0, 0, 2, 1, 3)  # the scenario's draft lengths: up, down, roun
 
 def scenario():
     """Four prompts of different lengths through ``BatchGenerator`` with a draft that agrees on
-    most tokens (rows accept different numbers of them), a hybrid and a dense model: every row
-    equals greedy decoding alone, in fewer steps than tokens."""
+    most tokens (rows accept different numbers of them), a hybrid and a dense model, and a
+    hybrid drafting with its own MTP head: every row equals greedy decoding alone (with the
+    draft model in fewer steps than tokens)."""
     from mlx_lm_patches.selftest.scenarios import greedy, prompt_tokens
     from mlx_lm_patches.selftest.tiny_models import DENSE_MODEL_TYPE, available_model_types, build_tiny_model, nearby_model
     from mlx_lm_patches.mechanisms.adaptive import forced
@@ -287,23 +346,49 @@ def scenario():
         return Outcome.not_applicable("this mlx-lm's BatchGenerator (before 0.31.2) cannot host speculation: "
                                       "the server serves speculative requests one at a time")
     details = []
-    for model_type in [t for t in ("qwen3_next",) if t in available_model_types()] + [DENSE_MODEL_TYPE]:
-        model, draft = build_tiny_model(model_type, seed=1), nearby_model(model_type, seed=1, scale=0.01)
-        prompts = [prompt_tokens(n, seed=n) for n in (5, 9, 13, 30)]
+    prompts = [prompt_tokens(n, seed=n) for n in (5, 9, 13, 30)]
+    hybrids = [t for t in ("qwen3_next",) if t in available_model_types()]
+    # (name, model, draft, whether rows must take drafts: a random MTP head's are refused)
+    runs = [(t, build_tiny_model(t, seed=1), nearby_model(t, seed=1, scale=0.01), True)
+            for t in hybrids + [DENSE_MODEL_TYPE]]
+    runs += [(f"{t} with its MTP head", *_with_head(t), False) for t in hybrids]
+    for name, model, draft, accepts in runs:
         try:
             with forced(SCHEDULE):
                 got, steps = batched_speculative(model, draft, prompts, max_tokens=16, num_draft_tokens=3)
         except Exception as exc:
-            return Outcome.failure(f"{model_type}: BatchGenerator with a draft model", exc)
+            return Outcome.failure(f"{name}: BatchGenerator with a draft", exc)
         for i, (prompt, decoded) in enumerate(zip(prompts, got)):
             problem = greedy(model, prompt, max_tokens=16).compare(decoded)
             if problem:
-                return Outcome.failure(f"{model_type}: row {i} ({len(prompt)} tokens): {problem}")
+                return Outcome.failure(f"{name}: row {i} ({len(prompt)} tokens): {problem}")
+        if not accepts:
+            details.append(f"{name} (random: its proposals are refused): 4 rows of 5-30 tokens, draft lengths "
+                           f"{SCHEDULE}, equal to greedy")
+            continue
         if steps >= 16 * len(prompts):
-            return Outcome.failure(f"{model_type}: its rows took {steps} steps for 16 tokens each: the draft was not used")
-        details.append(f"{model_type}: 4 rows of 5-30 tokens, draft lengths {SCHEDULE}: 16 tokens each in "
+            return Outcome.failure(f"{name}: its rows took {steps} steps for 16 tokens each: the draft was not used")
+        details.append(f"{name}: 4 rows of 5-30 tokens, draft lengths {SCHEDULE}: 16 tokens each in "
                        f"{steps} row-steps (64 without drafts), equal to greedy")
     return Outcome(True, "concurrent rows decode speculatively, each equal to greedy decoding alone", details)
+
+
+def _with_head(model_type):
+    """A tiny ``model_type`` with a random one-layer MTP head built from its own blocks (as
+    ``mtp-heads-kept`` attaches it at load), and the head's draft."""
+    from mlx.utils import tree_flatten
+
+    from mlx_lm_patches.mechanisms.mtp.decoding import add_interface
+    from mlx_lm_patches.mechanisms.mtp.heads import build
+    from mlx_lm_patches.mechanisms.probing.random_weights import random_like
+    from mlx_lm_patches.selftest.tiny_models import build_tiny_model, tiny_config
+
+    model = build_tiny_model(model_type, seed=1)
+    head = build(model, 1, tiny_config(model_type))
+    head.load_weights(list(random_like(dict(tree_flatten(head.parameters())), seed=1000).items()))
+    model.__dict__["mtp"] = head
+    add_interface(model)
+    return model, model.make_draft_model()
 
 
 def batched_speculative(model, draft, prompts, max_tokens, num_draft_tokens):

@@ -100,6 +100,7 @@ class HiddenCapture:
         self.norm = None  # weakref to the final norm whose class was swapped
         self._journal = None  # weakref to the rollback journal of the recorded passes' cache, if any
         self._changes = []  # (pass number, what it wrote over: see _overwritten), the last CHANGES passes
+        self.taps = []  # callables given ``last`` after every forward (batched drafting reads prompt passes)
 
     def forward_started(self):
         self._pending = []  # norm calls outside a forward of the model (e.g. its inner model's) do not count
@@ -119,6 +120,8 @@ class HiddenCapture:
                          for parts in zip(*calls))
             pending = (pre, post)
             self.last = {"pre": pre, "post": post}
+            for tap in self.taps:
+                tap(self.last)
         if pending is None or start is None or not isinstance(inputs, mx.array) or inputs.ndim != 2 \
                 or inputs.shape[0] != 1 or post.ndim != 3 or post.shape[1] != inputs.shape[1]:
             return
