@@ -92,7 +92,7 @@ def rewind_rows(caches, width: int, keep: List[int], states=None) -> None:
     rows = mx.array(keep)
     for index, c in enumerate(flat_caches(caches)):
         if _is_recurrent(c):
-            chosen, padding = list(c.cache) + [c.left_padding], None
+            chosen = list(c.cache) + [c.left_padding]
             for j in sorted(set(keep)):
                 if j == width:
                     continue
