@@ -126,6 +126,15 @@ def _move_right(c, extra: List[int]) -> None:
     c.offset = c.offset - shift
 
 
+def kept_rows(caches, keep: List[int]):
+    """Batch caches with only rows ``keep`` (filtered in place; none left: no caches)."""
+    if not keep:
+        return []
+    for c in caches:
+        c.filter(keep)
+    return caches
+
+
 def _settled(model, caches, held: List[int], wanted: List[int]):
     """``caches`` (one sequence's) hold ``held``; bring them to ``wanted`` where exact. Returns
     ``(caches, the tokens they hold)``."""
@@ -196,11 +205,7 @@ class ModelDrafts:
 
     def keep_rows(self, keep: List[int]) -> None:
         self.behind = [self.behind[i] for i in keep]
-        if not keep:
-            self.cache = []
-        else:
-            for c in self.cache:
-                c.filter(keep)
+        self.cache = kept_rows(self.cache, keep)
 
     def _extract(self, idx: int):
         return [c.extract(idx) for c in self.cache]

@@ -292,7 +292,7 @@ def _server_load(p, wrapped, instance, args, kwargs):
         why = MTP_DISTRIBUTED
     else:
         drafts, why = _drafting(draft, main, 2048)
-        own = sys.modules[CACHE].make_prompt_cache(draft) if hasattr(drafts, "prefill_step_size") else []
+        own = [] if hasattr(drafts, "prompt_pass") else sys.modules[CACHE].make_prompt_cache(draft)  # an MTP head's are its own
         merging = all(hasattr(c, "merge") for c in main + own)
         why = why or (None if merging else "a cache of the models cannot be batched")
     if why:

@@ -22,7 +22,7 @@ changes speed, never output.
 
 from typing import List, Optional
 
-from mlx_lm_patches.mechanisms.batch_speculation import rewind_rows
+from mlx_lm_patches.mechanisms.batch_speculation import kept_rows, rewind_rows
 
 KEEP_POSITIONS = 256  # waiting hidden states kept per row (a longer run without drafts skips the oldest:
 # what is held, and the catch-up pass, stay bounded; the head then sees a shorter history)
@@ -113,12 +113,6 @@ def _known(batch, pending):
     return [tokens + [t for t, _, _ in p] for tokens, p in zip(batch.tokens, pending)]
 
 
-def _evaluate(caches) -> None:
-    import mlx.core as mx
-
-    mx.eval([c.state for c in caches if getattr(c, "keys", None) is not None])
-
-
 class HeadDrafts:
     """The drafting of a batch by the main model's MTP head (``draft``: its ``MTPDraft``)."""
 
@@ -180,11 +174,7 @@ class HeadDrafts:
 
     def keep_rows(self, keep: List[int]) -> None:
         self.rows = [self.rows[i] for i in keep]
-        if not keep:
-            self.cache = []
-        else:
-            for c in self.cache:
-                c.filter(keep)
+        self.cache = kept_rows(self.cache, keep)
 
     def of_finished(self, i, known, wanted):
         """A finished row's draft cache: the sequence-level ``MTPDraft`` cache, which catches up
@@ -207,8 +197,11 @@ class HeadDrafts:
                 row.add(len(tokens) - 1, states[where[uid]])
 
     def catch_up(self, batch, pending) -> float:
-        """After rounds without drafts: every row's waiting pairs but its last, in one pass."""
+        """When more states wait than a round leaves (a prompt, rounds without drafts): every
+        row's waiting pairs but its last, in one pass."""
         import time
+
+        import mlx.core as mx
 
         if not self.lagging:
             return 0.0
@@ -218,7 +211,7 @@ class HeadDrafts:
             return 0.0
         start = time.perf_counter()
         self._feed(lags, _known(batch, pending))
-        _evaluate(self.cache)
+        mx.eval(self.to_evaluate())
         return time.perf_counter() - start
 
     def _feed(self, counts, known):
