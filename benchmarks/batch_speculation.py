@@ -150,6 +150,7 @@ def main():
     mlx_lm_patches.apply()
     import mlx.core as mx
 
+    import machine
     from speculation_costs import describe, draft_proportions, proportions
     from mlx_lm_patches.selftest.scenarios import prompt_tokens
     from mlx_lm_patches.selftest.tiny_models import build_tiny_model
@@ -175,6 +176,7 @@ def main():
         single_draft = None  # hinted per run below
         drafting = (f"draft {describe(draft_shape)}, a draft step {step(batch_draft) / step(model):.2f} "
                     f"of a main step")
+    print(machine.header())
     print(f"{args.family}: main {describe(main_shape)}; {drafting}; k = {args.k}, {args.tokens} tokens a request")
     print(f"{'rows':>4} {'accept':>6} | {'greedy tok/s':>12} {'batched spec':>12} {'one at a time':>13} | "
           f"{'spec/greedy':>11} {'spec/one-at-a-time':>18} | exact")

@@ -26,14 +26,14 @@ def main():
     import mlx_lm_patches
 
     mlx_lm_patches.apply()
-    from mlx_lm_patches.engine import versions
+    import machine
     from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
     from mlx_lm_patches.selftest.scenarios import batched_greedy, greedy
     from mlx_lm_patches.selftest.tiny_models import build_tiny_model
 
     model = build_tiny_model(args.model_type, seed=0)
-    print(f"mlx-lm {versions.mlx_lm().describe()}, mlx {versions.mlx().describe()}, "
-          f"{args.model_type} (tiny), {args.tokens} new tokens per prompt")
+    print(machine.header())
+    print(f"{args.model_type} (tiny), {args.tokens} new tokens per prompt")
     print(f"{'prompts':>7} {'sequential tok/s':>17} {'batched tok/s':>14} {'ratio':>6}  exact")
     for n in args.batches:
         prompts = [prompt_tokens(args.prompt_len + 3 * i, seed=i) for i in range(n)]

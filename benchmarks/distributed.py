@@ -47,7 +47,7 @@ def main():
     mlx_lm_patches.apply()
 
     from mlx_lm_patches.engine import env as ours
-    from mlx_lm_patches.engine import versions
+    import machine
     from support.server import serve
     from support.server_load import load_rounds, tiny_workload
 
@@ -61,7 +61,8 @@ def main():
     with tempfile.TemporaryDirectory(prefix="distributed-bench-") as tmp:
         folder, reference, jobs, distinct = tiny_workload(tmp, args.model_type, args.requests, args.max_tokens,
                                                          mtp=args.draft_model_mtp)
-        print(f"mlx-lm {versions.mlx_lm().describe()}, mlx {versions.mlx().describe()}, {args.model_type} "
+        print(machine.header())
+        print(f"{args.model_type} "
               f"(tiny, CPU, {os.cpu_count()} cores{', --draft-model mtp' if draft else ''}), 2 ranks: {layout} "
               f"parallel, {args.requests} requests "
               f"({distinct} distinct) at concurrency {args.concurrency}, max_tokens {args.max_tokens}",

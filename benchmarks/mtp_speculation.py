@@ -176,13 +176,13 @@ def main():
     mlx_lm_patches.apply()
     from mlx_lm import load
 
-    from mlx_lm_patches.engine import versions
+    import machine
     from mlx_lm_patches.selftest.mtp_checkpoints import write_mtp_checkpoint
 
     for model_type in args.model_types:
         with tempfile.TemporaryDirectory() as tmp:
             model, _ = load(str(write_mtp_checkpoint(tmp, model_type, dtype="float32").folder))
-        print(f"\nmlx-lm {versions.mlx_lm().describe()}, mlx {versions.mlx().describe()}, {model_type} (tiny)")
+        print(f"\n{machine.header()}\n{model_type} (tiny)")
         print(f"{'p':>6} {'draft':>5} {'a':>9} {'greedy tok/s':>13} {'spec tok/s':>11} {'ratio':>7} "
               f"{'(1+a)/(2-a)':>8}  exact")
         for share in args.shares:

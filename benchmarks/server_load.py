@@ -52,6 +52,7 @@ def main():
     from packaging.version import Version
 
     from mlx_lm_patches.engine import env as ours
+    import machine
     from mlx_lm_patches.engine import versions
     from support.server import serve
     from support.server_load import load_rounds, tiny_workload
@@ -69,7 +70,8 @@ def main():
 
     with tempfile.TemporaryDirectory(prefix="server-load-") as tmp:
         folder, reference, jobs, distinct = tiny_workload(tmp, args.model_type, args.requests, args.max_tokens)
-        print(f"mlx-lm {versions.mlx_lm().describe()}, mlx {versions.mlx().describe()}, {args.model_type} "
+        print(machine.header())
+        print(f"{args.model_type} "
               f"(tiny, CPU), {args.requests} requests ({distinct} distinct) at concurrency "
               f"{args.concurrency}, max_tokens {args.max_tokens}", flush=True)
 

@@ -55,6 +55,7 @@ def main():
     parser.add_argument("--drafts", nargs="+", default=["none", "mtp", "self"], choices=("none", "mtp", "self"))
     args = parser.parse_args()
 
+    import machine
     from support.server import serve
     from support.server_load import tiny_workload
 
@@ -63,6 +64,7 @@ def main():
         chats = [[{"role": "user", "content": f"question {i}: " + "tell me about item " * (1 + 3 * i)}]
                  for i in range(args.chats)]
         wanted = [reference(messages).text for messages in chats]
+        print(machine.header())
         print(f"{args.model_type} (tiny, float32, MTP head): {args.chats} chats of {args.max_tokens} tokens; "
               f"best of {args.rounds} rounds")
         print(f"{'draft':>6} | {'one after another':>17} {'at once':>8} | {'at once / sequential':>20} | exact")

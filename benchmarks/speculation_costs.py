@@ -489,10 +489,10 @@ def main():
     import mlx_lm_patches
 
     mlx_lm_patches.apply()
-    from mlx_lm_patches.engine import versions
+    import machine
 
-    print(f"mlx-lm {versions.mlx_lm().describe()}, mlx {versions.mlx().describe()}; random weights, "
-          f"float32, real proportions{' (--quick)' if args.quick else ''}")
+    print(machine.header())
+    print(f"random weights, float32, real proportions{' (--quick)' if args.quick else ''}")
     start = time.perf_counter()
     for family in args.families:
         run_family(family, args)

@@ -155,10 +155,10 @@ def main():
     import mlx_lm_patches
 
     mlx_lm_patches.apply()
-    from mlx_lm_patches.engine import versions
+    import machine
     from mlx_lm_patches.selftest.tiny_models import DENSE_MODEL_TYPE
 
-    print(f"mlx-lm {versions.mlx_lm().describe()}, mlx {versions.mlx().describe()}, tiny models")
+    print(f"{machine.header()}\ntiny models")
     speculation([args.model_type, DENSE_MODEL_TYPE], args)
     rollback_cost(args.model_type, args)
 
