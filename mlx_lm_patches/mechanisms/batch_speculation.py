@@ -414,8 +414,10 @@ class Speculation:
         import mlx.core as mx
 
         B = len(batch.uids)
-        width = k + 1
         counts = [len(p) for p in self.pending]
+        # a round without drafts after a rejected one: when every row re-runs as many tokens, one
+        # pass takes them all (a filler slot would send a hybrid row back to the round's start)
+        width = counts[0] if not k and counts and len(set(counts)) == 1 else k + 1
         fed = [min(c, width) for c in counts]  # a row with more pending tokens feeds the first ones
         samplers = [batch.fallback_sampler if s is None else s for s in (batch.samplers or [None] * B)]
         processors = [tuple(p or ()) for p in (batch.logits_processors or [()] * B)]
