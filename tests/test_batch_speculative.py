@@ -299,6 +299,22 @@ def test_adaptive_drafting_stops_drafting_a_draft_never_accepted(model_type):
 
 
 
+def _round_widths(model, draft, schedule, max_tokens):
+    """``PROMPTS`` decoded together with ``draft`` in the forced draft lengths ``schedule`` (each
+    row checked against greedy alone): the tokens of each of the main model's passes from the
+    first round on (the prompts' passes come before it)."""
+    from mlx_lm.generate import BatchGenerator
+
+    main = CountingModel(model)
+    with forced(schedule):
+        gen = BatchGenerator(main, max_tokens=max_tokens, draft_model=draft, num_draft_tokens=max(schedule))
+    uids = gen.insert([list(p) for p in PROMPTS], [max_tokens] * len(PROMPTS))
+    decoded, _, _ = _run(gen, uids)
+    gen.close()
+    _assert_rows_equal_greedy(model, PROMPTS, [decoded[uid] for uid in uids], max_tokens)
+    return main.lengths[main.shapes.index((len(PROMPTS), schedule[0] + 1)):]
+
+
 @pytest.mark.parametrize("model_type", [HYBRID])
 def test_rounds_after_a_rejection_are_as_wide_as_their_drafts(model_type):
     """A hybrid row whose round was rejected goes back and keeps its accepted tokens pending;
@@ -307,36 +323,15 @@ def test_rounds_after_a_rejection_are_as_wide_as_their_drafts(model_type):
     pending, the first round without drafts takes them all at once (no row padded). Before, they
     were as wide as the longest pending row, and every shorter row was padded at the end and sent
     back again."""
-    from mlx_lm.generate import BatchGenerator
-
-    model, draft = _models(model_type, scale=0.05)
-    main = CountingModel(model)
-    with forced([3] * 2 + [0] * 30):
-        gen = BatchGenerator(main, max_tokens=12, draft_model=draft, num_draft_tokens=3)
-    uids = gen.insert([list(p) for p in PROMPTS], [12] * len(PROMPTS))
-    decoded, _, _ = _run(gen, uids)
-    gen.close()
-    _assert_rows_equal_greedy(model, PROMPTS, [decoded[uid] for uid in uids], 12)
-    first = main.shapes.index((len(PROMPTS), 4))  # the prompts' passes come before the first round's
-    rounds = main.lengths[first:]
+    rounds = _round_widths(*_models(model_type, scale=0.05), [3] * 2 + [0] * 30, max_tokens=12)
     # the first round without drafts: 1 wide, or as wide as every row's pending tokens
-    assert rounds[:2] == [4, 4] and rounds[2] <= 4 and set(rounds[3:]) == {1}, main.shapes
+    assert rounds[:2] == [4, 4] and rounds[2] <= 4 and set(rounds[3:]) == {1}, rounds
 
 
 def test_a_round_without_drafts_after_every_row_rejected_takes_one_pass():
     """Every hybrid row rejected its draft: each has its kept token and the new one pending, so
     the round without drafts after it feeds both in one pass (before, a pass over the kept
     tokens that emitted nothing, then another), and the rounds after it are plain steps."""
-    from mlx_lm.generate import BatchGenerator
-
     model, draft = build_tiny_model(HYBRID, seed=1), build_tiny_model(HYBRID, seed=9)
-    main = CountingModel(model)
-    with forced([1] + [0] * 30):
-        gen = BatchGenerator(main, max_tokens=8, draft_model=draft, num_draft_tokens=1)
-    uids = gen.insert([list(p) for p in PROMPTS], [8] * len(PROMPTS))
-    decoded, _, _ = _run(gen, uids)
-    gen.close()
-    _assert_rows_equal_greedy(model, PROMPTS, [decoded[uid] for uid in uids], 8)
-    first = main.shapes.index((len(PROMPTS), 2))  # the round of one draft, every row rejected
-    rounds = main.lengths[first:]
-    assert rounds[:2] == [2, 2] and set(rounds[2:]) == {1}, main.shapes
+    rounds = _round_widths(model, draft, [1] + [0] * 30, max_tokens=8)  # the first: every row rejected
+    assert rounds[:2] == [2, 2] and set(rounds[2:]) == {1}, rounds
