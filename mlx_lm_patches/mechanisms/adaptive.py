@@ -12,14 +12,20 @@
   No constant of any machine.
 
 It picks the ``k`` with the most expected tokens per second,
-``E[tokens](k) / (time(k) + (1 - a^k) * rollback)``, ``E[tokens](k) = (1 - a^(k+1)) / (1 - a)``;
+``E[tokens](k) / (time(k) + (1 - a^k) * rollback)``, ``E[tokens](k) = (1 - a^(k+1)) / (1 - a)``
+(a round of fewer drafts taken as never costing more than one of more);
 switching between plain decoding and drafting needs a win on the unfavourable side of the
-measured spread (catch-up included from plain decoding). A length of two or more not run for
-``STALE`` rounds has its times forgotten, so a round slowed by the machine does not keep it out. At ``k = 0`` it probes now and then with one draft token, after a wait that
+measured spread (catch-up included from plain decoding), and leaving drafting a loss even at
+the acceptance one standard deviation above the estimate: a few rejections at a fair rate
+are common, and from plain decoding only probes come back (none, where the draft's catch-up
+makes them costly). A length of two or more not run for ``STALE`` rounds has its times
+forgotten, so a round slowed by the machine does not keep it out. At ``k = 0`` it probes now
+and then with one draft token, after a wait that
 keeps the probe's extra cost (catch-up over the wait included) near ``PROBE_SHARE`` of the plain
 rounds waited; a rejected probe doubles the wait, an accepted one brings it back to the start;
 a catch-up that alone costs more than that share ends the probing for the sequence once drafts
-are rejected (or it costs twice the share; otherwise the probes come at the longest wait).
+are rejected, judged by the hopeful acceptance (or it costs twice the share; otherwise the
+probes come at the longest wait).
 
 Tests force a schedule with :func:`forced` (``k`` per round, whatever the controller thinks).
 """
@@ -100,12 +106,23 @@ class Controller:
         self.rejected_seen = False  # a draft token was rejected in this sequence
         self.catch_up = 0.0  # seconds per missed token of the draft's catch-up after plain rounds
         self.ran = {}  # k -> the round that last ran k
+        self.drafting_timed = False  # a drafting round's usual time was seen (not a first round's, which holds a switch)
+        self.bounds = set()  # lengths whose only time is a first round's (an upper bound)
 
     # -- what was seen -------------------------------------------------------------------------
 
     @property
     def acceptance(self):
         return self.accepted / (self.accepted + self.rejected)
+
+    @property
+    def hopeful_acceptance(self):
+        """The estimate one standard deviation up, its decayed counts taken as the sample: what
+        the drafts seen do not rule out. Leaving drafting and giving up probing go by it, so a
+        few early rejections at a fair rate do not end drafting (at no acceptance it falls
+        within a few rounds)."""
+        a, seen = self.acceptance, self.accepted + self.rejected
+        return min(1.0, a + math.sqrt(a * (1.0 - a) / (seen + 1.0)))
 
     def observe(self, k, kept, seconds=None, catch_up=0.0, first=False, rows=None):
         """A round of ``k`` drafts kept ``kept`` of them and took ``seconds`` (None: not timed -
@@ -124,8 +141,10 @@ class Controller:
                 self.rejected = DECAY * self.rejected + (1.0 - accepted)
         if first and k and seconds and k not in self.seconds and kept < k:
             # a rejected first round of an unmeasured length: its time (the switch in it) is an
-            # upper bound, enough to tell that a rarely accepted draft does not pay
+            # upper bound, enough to tell that a rarely accepted draft does not pay; the first
+            # usual time of its length replaces it
             self._record(k, seconds)
+            self.bounds.add(k)
         self._time(k, kept, None if first else seconds)
         self.ran[k] = self.rounds
         if k:
@@ -190,6 +209,11 @@ class Controller:
         after_rejection, self.after_rejection = self.after_rejection, k > 0 and kept < k
         if seconds is None or seconds <= 0:
             return
+        self.drafting_timed = self.drafting_timed or k > 0
+        if k in self.bounds:
+            self.bounds.discard(k)
+            self.seconds.pop(k, None)
+            self.recent.pop(k, None)
         if not after_rejection:
             self._record(k, seconds)
         elif k in self.seconds:
@@ -243,9 +267,8 @@ class Controller:
         missed token spread over ``RECENT`` rounds; while drafting, the plain rounds' upper
         quartile against the drafting ones' lower quartile (a few rejections in a row at high
         acceptance must not send it to plain decoding, from where only a probe brings it back)."""
-        a = self.acceptance
         plain_side = self.plain_run > 0 or self.probed
-        best_k, best_rate = 0, None
+        times = {}
         for k in range(self.most + 1):
             t = self.round_time(k)
             if k in self.recent:
@@ -254,9 +277,23 @@ class Controller:
                 continue
             if plain_side and k:
                 t += self.catch_up * self.plain_run / RECENT  # the catch-up over the next rounds
-            rate = expected_tokens(a, k) / (t + (1.0 - a ** k) * (self.rollback or 0.0))
-            if best_rate is None or rate > best_rate * (1 + 1e-9):
-                best_k, best_rate = k, rate
+            times[k] = t
+        for k in [j for j in times if j]:  # fewer drafts never cost more than more
+            times[k] = min(times[j] for j in times if j >= k)
+
+        def rate(k, a):
+            return expected_tokens(a, k) / (times[k] + (1.0 - a ** k) * (self.rollback or 0.0))
+
+        # the length by the estimate; whether to draft at all, while drafting, by the hopeful one
+        a = self.acceptance
+        best_k = 0
+        for k in sorted(times):
+            if k and (not best_k or rate(k, a) > rate(best_k, a) * (1 + 1e-9)):
+                best_k = k
+        if best_k and 0 in times:
+            hope = a if plain_side else self.hopeful_acceptance
+            if rate(best_k, hope) <= rate(0, hope) * (1 + 1e-9):
+                best_k = 0
         return best_k
 
     def choose(self, left=None):
@@ -281,8 +318,8 @@ class Controller:
             return 1
         if len(self.recent.get(0, ())) < START_PLAIN:
             return 0
-        if len(self.seconds) < 2 and (1 not in self.seconds or (len(self.recent[1]) < 2 and not self.rejected_seen)):
-            return 1  # rounds of one draft until one is timed (two while every draft is accepted)
+        if not self.drafting_timed or (len(self.seconds) < 2 and len(self.recent.get(1, ())) < 2 and not self.rejected_seen):
+            return 1  # rounds of one draft until one is timed with no switch in it (two while every draft is accepted)
         # in a run of plain rounds the choice is looked at again every RECENT rounds (a plain
         # step can be a millisecond: the controller must cost next to nothing there)
         k = self.best() if self.plain_run % RECENT == 0 else 0
@@ -294,7 +331,7 @@ class Controller:
             wait = self._probe_wait(self.rollback or 0.0)
             if wait is not None:
                 self.interval = min(wait, MOST_INTERVAL)
-            elif self.acceptance < PRIOR[0] / PRIOR[1] or self._catch_up_share() >= 2 * PROBE_SHARE:
+            elif self.hopeful_acceptance < PRIOR[0] / PRIOR[1] or self._catch_up_share() >= 2 * PROBE_SHARE:
                 self.retired = True  # no probe is cheap: plain decoding to the end of the sequence
             else:
                 # left for its costs while accepted, catch-up under twice the share: the rarest probes
