@@ -319,24 +319,23 @@ def test_a_first_rounds_time_gives_way_to_the_first_usual_one():
 
 
 def test_early_rejections_do_not_end_a_fair_draft():
-    """The first two drafts rejected (one sequence in eleven at this rate), then seven in ten accepted, and a catch-up (5 % of a
-    plain step per missed token) that makes probing from plain decoding too costly, so leaving
-    drafting would be for good: a round of one draft costs 1.35 plain steps, so one draft pays
-    from about 40 % acceptance. A few rejections are not evidence enough; the controller keeps
-    drafting and drafts in most rounds."""
+    """The first two drafts rejected (one sequence in eleven at this rate), then seven in ten
+    accepted; a round of one draft costs 1.35 plain steps (one draft pays from about 40 %) and
+    the draft's catch-up 5 % of a plain step per missed token, so no probe from plain decoding
+    is cheap and leaving drafting would be for good. Two rejections are not evidence enough:
+    the controller keeps drafting, in most rounds."""
     controller = Controller(3, plain_start=True)
     outcomes = iter([0, 0] + [1, 1, 0, 1, 1, 0, 1, 1, 1, 0] * 100)
-    chosen, previous = [], None
+    chosen, waited = [], 0
     for _ in range(200):
         k = controller.choose()
         kept = 0
         while kept < k and next(outcomes):
             kept += 1
-        seconds = 1.0 if k == 0 else 1.0 + 0.35 * k
-        controller.observe(k, kept, seconds, catch_up=0.05 if k and previous == 0 else 0.0,
-                           first=k > 0 and previous != k)
+        controller.observe(k, kept, 1.0 + 0.35 * k, catch_up=0.05 * waited if k else 0.0,
+                           first=bool(chosen) and k > 0 and chosen[-1] != k)
+        waited = 0 if k else waited + 1
         chosen.append(k)
-        previous = k
     assert not controller.retired, "".join(map(str, chosen))
     assert sum(k > 0 for k in chosen) > 150, "".join(map(str, chosen))
 
