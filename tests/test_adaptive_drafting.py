@@ -340,6 +340,22 @@ def test_early_rejections_do_not_end_a_fair_draft():
     assert sum(k > 0 for k in chosen) > 150, "".join(map(str, chosen))
 
 
+def test_one_slowed_plain_round_does_not_keep_a_rejected_draft_on():
+    """Plain rounds of 0.3 (a tiny model's step) with one slowed to 10.0 by the machine, and a
+    draft never accepted whose rounds take 2.5: the plain rounds' upper quartile (of three:
+    their largest) is held within twice their median, so the controller still leaves drafting
+    after two rounds of one draft. Unclipped it drafted to the end (21 draft calls for 24
+    tokens, the `adaptive-drafting` scenario's failure under load)."""
+    controller = Controller(2, plain_start=True)
+    plain, chosen = iter([0.3, 0.3, 10.0] + [0.3] * 30), []
+    for left in range(24, 0, -1):
+        k = controller.choose(left)
+        first = k > 0 and (not chosen or chosen[-1] != k)
+        controller.observe(k, 0, next(plain) if k == 0 else (5.0 if first else 2.5), first=first)
+        chosen.append(k)
+    assert sum(chosen) <= 3, "".join(map(str, chosen))
+
+
 def test_a_length_slowed_once_is_tried_again():
     """Every draft accepted; the rounds of three drafts cost 2.0 (a plain round 1.0, one draft
     1.6), but two of them were slowed to 10.0 by the machine: the controller drafts one token

@@ -72,8 +72,12 @@ def _median(values):
 
 
 def _quantile(values, q):
+    """The ``q`` quantile of ``values``, within a factor of two of their median: of a few values
+    (the quartile of three is their largest), one round slowed by the machine - a tiny model's
+    plain step by a pause ten times its length - would otherwise stand for all of them."""
     ordered = sorted(values)
-    return ordered[round(q * (len(ordered) - 1))]
+    middle = _median(ordered)
+    return min(max(ordered[round(q * (len(ordered) - 1))], middle / 2), 2 * middle)
 
 
 def expected_tokens(a, k):
