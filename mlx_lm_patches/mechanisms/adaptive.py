@@ -134,15 +134,22 @@ class Controller:
         tokens decoded without it (a cost of probing, not of rounds of ``k``). ``first``: the
         round began a run of its ``k`` (its time holds the switch: a probe's cost, not a usual
         round's). ``rows``: a batch's round, per row ``(kept, offered)``: the drafts it was offered
-        and kept of them (rows offered none do not count; ``kept`` is the most any row kept)."""
+        and kept of them (rows offered none do not count; ``kept`` is the most any row kept).
+        The rows of a batch's round are that many sequences' rounds side by side: each of their
+        observations decays the older ones by ``DECAY`` to the power one over the rows, so the
+        estimate remembers as many rounds as one sequence's does, with every row's drafts in it
+        (decayed per observation, a round of 8 rows outweighed every round before it, and the
+        last rows in the batch made the estimate)."""
         self.rounds += 1
         probe, self.probing = self.probing, False
         self.probed = probe
         self.rejected_seen = self.rejected_seen or kept < k
-        for row_kept, offered in (rows if rows is not None else [(kept, k)]) if k else ():
+        counted = [(n, offered) for n, offered in (rows if rows is not None else [(kept, k)]) if offered] if k else []
+        decay = DECAY ** (1.0 / max(len(counted), 1))
+        for row_kept, offered in counted:
             for accepted in [1.0] * row_kept + ([0.0] if row_kept < offered else []):
-                self.accepted = DECAY * self.accepted + accepted
-                self.rejected = DECAY * self.rejected + (1.0 - accepted)
+                self.accepted = decay * self.accepted + accepted
+                self.rejected = decay * self.rejected + (1.0 - accepted)
         if first and k and seconds and k not in self.seconds and kept < k:
             # a rejected first round of an unmeasured length: its time (the switch in it) is an
             # upper bound, enough to tell that a rarely accepted draft does not pay; the first
