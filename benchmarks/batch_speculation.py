@@ -111,6 +111,19 @@ def _batch(model, prompts, tokens, draft=None, sequences=None, hinted=None, **op
     return [out[u] for u in uids]
 
 
+def going_back(run, *args):
+    """``run(*args)`` with no recurrent states recorded per token: a hybrid row that rejected goes
+    back to the round's start and feeds its accepted tokens again in the next round."""
+    from mlx_lm_patches.mechanisms import batch_speculation
+
+    recorder = batch_speculation.StepStates
+    batch_speculation.StepStates = lambda model: None
+    try:
+        return run(*args)
+    finally:
+        batch_speculation.StepStates = recorder
+
+
 def one_at_a_time(model, draft, prompts, tokens, k, sequences, hinted):
     """Each request through ``speculative_generate_step`` after the previous one; ``draft``: a
     ``Hinted`` draft model, or ``"mtp"`` (the model's head, hinted as ``support/mtp_drafts`` does)."""
@@ -143,6 +156,9 @@ def main():
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--going-back", action="store_true",
+                        help="also batched spec with hybrid rows going back to the round's start on a "
+                             "rejection (no step states: before 6 December), side by side")
     args = parser.parse_args()
 
     import mlx_lm_patches
@@ -179,7 +195,8 @@ def main():
     print(machine.header())
     print(f"{args.family}: main {describe(main_shape)}; {drafting}; k = {args.k}, {args.tokens} tokens a request")
     print(f"{'rows':>4} {'accept':>6} | {'greedy tok/s':>12} {'batched spec':>12} {'one at a time':>13} | "
-          f"{'spec/greedy':>11} {'spec/one-at-a-time':>18} | exact")
+          f"{'spec/greedy':>11} {'spec/one-at-a-time':>18} | exact"
+          + (" | spec/going back" if args.going_back else ""))
     for rows in args.rows:
         prompts = [prompt_tokens(20 + 7 * i, vocab=args.vocab, seed=i + 1) for i in range(rows)]
         reference = greedy_batch(model, prompts, args.tokens)
@@ -187,14 +204,18 @@ def main():
         for share in args.accept:
             hinted = hint(share)
             single = single_draft or Hinted(batch_draft, sequences, hinted)
-            best = {"greedy": 1e9, "spec": 1e9, "single": 1e9}
+            best = {"greedy": 1e9, "spec": 1e9, "single": 1e9, "back": 1e9}
             exact = True
             for _ in range(args.repeats):
                 for name, run in (("greedy", lambda: greedy_batch(model, prompts, args.tokens)),
                                   ("spec", lambda: spec_batch(model, batch_draft, prompts, args.tokens, args.k,
                                                               sequences, hinted)),
                                   ("single", lambda: one_at_a_time(model, single, prompts, args.tokens, args.k,
-                                                                   sequences, hinted))):
+                                                                   sequences, hinted)),
+                                  ("back", lambda: going_back(spec_batch, model, batch_draft, prompts, args.tokens,
+                                                              args.k, sequences, hinted))):
+                    if name == "back" and not args.going_back:
+                        continue
                     start = time.perf_counter()
                     got = run()
                     best[name] = min(best[name], time.perf_counter() - start)
@@ -202,8 +223,8 @@ def main():
             total = rows * args.tokens
             rate = {name: total / seconds for name, seconds in best.items()}
             print(f"{rows:>4} {share:>6.0%} | {rate['greedy']:>12.1f} {rate['spec']:>12.1f} {rate['single']:>13.1f} | "
-                  f"{rate['spec'] / rate['greedy']:>10.2f}x {rate['spec'] / rate['single']:>17.2f}x | {exact}",
-                  flush=True)
+                  f"{rate['spec'] / rate['greedy']:>10.2f}x {rate['spec'] / rate['single']:>17.2f}x | {exact}"
+                  + (f" | {rate['spec'] / rate['back']:.2f}x" if args.going_back else ""), flush=True)
     mx.clear_cache()
 
 

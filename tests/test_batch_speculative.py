@@ -30,6 +30,9 @@ pytestmark = pytest.mark.skipif(not hasattr(sys.modules["mlx_lm.generate"], "Gen
 
 HYBRIDS = available_model_types()
 HYBRID = "qwen3_5" if "qwen3_5" in HYBRIDS else "qwen3_next"
+# a hybrid whose recurrent layers have no states after each token of a pass (a Mamba-1 scan, short
+# convolutions alone): its rows that reject go back to the round's start
+GOES_BACK = next(t for t in ("jamba", "lfm2", "mamba", "kimi_linear") if t in HYBRIDS)
 PROMPTS = [prompt_tokens(n, seed=n) for n in (5, 9, 13, 30)]
 # draft lengths per round: up and down, runs without drafts (the draft then catches up, in one
 # pass or, after rows joined, row by row) and back
@@ -315,7 +318,7 @@ def _round_widths(model, draft, schedule, max_tokens):
     return main.lengths[main.shapes.index((len(PROMPTS), schedule[0] + 1)):]
 
 
-@pytest.mark.parametrize("model_type", [HYBRID])
+@pytest.mark.parametrize("model_type", [GOES_BACK])
 def test_rounds_after_a_rejection_are_as_wide_as_their_drafts(model_type):
     """A hybrid row whose round was rejected goes back and keeps its accepted tokens pending;
     the next rounds stay ``k + 1`` tokens wide (the row feeds its first pending tokens, keeps them,
@@ -332,6 +335,19 @@ def test_a_round_without_drafts_after_every_row_rejected_takes_one_pass():
     """Every hybrid row rejected its draft: each has its kept token and the new one pending, so
     the round without drafts after it feeds both in one pass (before, a pass over the kept
     tokens that emitted nothing, then another), and the rounds after it are plain steps."""
-    model, draft = build_tiny_model(HYBRID, seed=1), build_tiny_model(HYBRID, seed=9)
+    model, draft = build_tiny_model(GOES_BACK, seed=1), build_tiny_model(GOES_BACK, seed=9)
     rounds = _round_widths(model, draft, [1] + [0] * 30, max_tokens=8)  # the first: every row rejected
     assert rounds[:2] == [2, 2] and set(rounds[2:]) == {1}, rounds
+
+
+@pytest.mark.parametrize("model_type", [t for t in ("qwen3_next", "qwen3_5", "nemotron_h") if t in HYBRIDS])
+def test_a_gated_delta_or_mamba2_row_keeps_what_it_accepted(model_type):
+    """A gated-delta or Mamba-2 row that rejected keeps the tokens it accepted (the states after each token
+    of the verify pass were recorded, ``mechanisms/step_states.py``): nothing is fed again, every
+    round without drafts after a rejected one is a plain step, and rounds of drafts each feed only
+    their last sampled token and their drafts."""
+    model, draft = build_tiny_model(model_type, seed=1), build_tiny_model(model_type, seed=9)
+    rounds = _round_widths(model, draft, [1] + [0] * 30, max_tokens=8)  # the first: every row rejected
+    assert rounds[0] == 2 and set(rounds[1:]) == {1}, rounds
+    rounds = _round_widths(*_models(model_type, scale=0.05), [3] * 4 + [0] * 30, max_tokens=12)
+    assert rounds[:4] == [4] * 4 and set(rounds[4:]) == {1}, rounds

@@ -242,16 +242,22 @@ def fixed_draft_length(monkeypatch):
     monkeypatch.setenv(env.ADAPTIVE_DRAFTING, "0")
 
 
+# a hybrid whose recurrent layers keep no states between a pass's tokens (a Mamba-1 scan, short
+# convolutions alone): a rollback into a pass restores the state before it and re-runs the
+# accepted tokens
+REPLAYS = next(t for t in ("jamba", "lfm2", "mamba", "kimi_linear") if t in HYBRIDS)
+
+
 def test_a_rejected_draft_costs_no_extra_model_call(fixed_draft_length):
     """After a rejection the accepted tokens are re-run in front of the next verify pass, not in
     a pass of their own - unless the draft reads the main model in between (an MTP draft)."""
-    model = build_tiny_model("qwen3_next", seed=1)
+    model = build_tiny_model(REPLAYS, seed=1)
     prompt = prompt_tokens(13, seed=3)
     reference = greedy(model, prompt, max_tokens=MAX_TOKENS)
     counts = {}
     for separate in (False, True):
         main = CountingModel(model)
-        draft = CountingModel(build_tiny_model("qwen3_next", seed=7), reads_main_model=separate)
+        draft = CountingModel(build_tiny_model(REPLAYS, seed=7), reads_main_model=separate)
         got = speculative_greedy(main, draft, prompt, max_tokens=MAX_TOKENS, num_draft_tokens=3)
         assert reference.compare(got) is None, reference.compare(got)
         counts[separate] = main.calls
@@ -264,15 +270,31 @@ def test_rejected_rounds_in_a_row_do_not_lengthen_the_verify_passes(fixed_draft_
     next rollback re-runs them again. The re-run is bounded (run at once past the journal
     window): no main pass after the prefill runs more than twice the window, however many rounds
     reject in a row (unbounded, each such round made the next pass one token longer)."""
-    model = build_tiny_model("qwen3_next", seed=1)
+    model = build_tiny_model(REPLAYS, seed=1)
     prompt = prompt_tokens(13, seed=3)
     reference = greedy(model, prompt, max_tokens=30)
     main = CountingModel(model)
-    got = speculative_greedy(main, build_tiny_model("qwen3_next", seed=7), prompt, max_tokens=30, num_draft_tokens=2)
+    got = speculative_greedy(main, build_tiny_model(REPLAYS, seed=7), prompt, max_tokens=30, num_draft_tokens=2)
     assert reference.compare(got) is None, reference.compare(got)
     window = 2 + 1
     rounds = main.lengths[main.lengths.index(window):]  # from the first verify pass (after the prefill)
     assert max(rounds) <= 2 * window, main.lengths
+
+
+@pytest.mark.parametrize("model_type", [t for t in ("qwen3_next", "qwen3_5", "nemotron_h") if t in HYBRIDS])
+@pytest.mark.parametrize("draft_kind", ["rejecting", "dense"])
+def test_a_gated_delta_or_mamba2_model_re_runs_nothing_after_a_rejection(model_type, draft_kind, fixed_draft_length):
+    """A gated-delta or Mamba-2 main model's states after each token of a verify pass are kept
+    (``mechanisms/step_states.py``): a rollback into the pass restores the state at its target,
+    so no verify pass is longer than the last token and the drafts, whatever was rejected."""
+    model, draft = _models(model_type, draft_kind)
+    prompt = prompt_tokens(13, seed=3)
+    reference = greedy(model, prompt, max_tokens=30)
+    main = CountingModel(model)
+    got = speculative_greedy(main, draft, prompt, max_tokens=30, num_draft_tokens=3)
+    assert reference.compare(got) is None, reference.compare(got)
+    rounds = main.lengths[main.lengths.index(4):]  # from the first verify pass (after the prompt's)
+    assert max(rounds) == 4, main.lengths
 
 
 # Models whose attention slides over a window narrower than the prompt here: their rotating caches

@@ -23,9 +23,13 @@ A round, for a batch of ``B`` rows and ``k`` draft tokens (``W = k + 1``):
   computes from ``left_padding`` and ``offset`` leave them out, exactly as for a shorter prompt.
   Recurrent caches (``ArraysCache``) take each row's state from the call after which it is the
   right one: the draft's states are kept after each of its single-token calls, so every row's is
-  exact; the main model's only before and after the verify pass, so a hybrid row keeps the pass
-  when it accepted everything and otherwise goes back to before it, its accepted tokens staying
-  pending (they are fed again in front of the next round's drafts, which then has fewer slots).
+  exact. The main model's gated-delta and Mamba-2 layers give their states after each token of
+  the verify pass (``mechanisms/step_states.py``), so a row keeps exactly what it accepted.
+  Other recurrent layers (Mamba-1 scans, short convolutions alone, ...) only have them before
+  and after the pass:
+  there a hybrid row keeps the pass when it accepted everything and otherwise goes back to
+  before it, its accepted tokens staying pending (they are fed again in front of the next
+  round's drafts, which then has fewer slots).
   Every round is ``W`` wide: a row with more pending tokens feeds the first ``W`` of them and
   keeps them (no drafts, no new token), so no row is padded at the end and sent back for it.
   A dense row keeps exactly what it accepted.
@@ -36,7 +40,10 @@ answer is the one greedy decoding gives; nothing is reset. Caches other than ``B
 :func:`hostable` says so before a generator starts speculating.
 """
 
+import contextlib
 from typing import List, Optional
+
+from mlx_lm_patches.mechanisms.step_states import StepStates
 
 CACHE = "mlx_lm.models.cache"
 GENERATE = "mlx_lm.generate"
@@ -441,12 +448,17 @@ class Speculation:
             from_drafts = mx.take_along_axis(drafts, mx.clip(position, 0, k - 1), axis=1)
             inputs = mx.where((position >= 0) & (position < k), from_drafts, inputs)
         main_states = _states(batch.prompt_cache) if self.main_has_recurrent else None
-        logits = batch.model(inputs, cache=batch.prompt_cache)
+        steps = StepStates(batch.model) if self.main_has_recurrent else None
+        with steps if steps else contextlib.nullcontext():
+            logits = batch.model(inputs, cache=batch.prompt_cache)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         picked = sample(logprobs)
         mx.eval(picked, inputs, logprobs, _padding(batch.prompt_cache), self.drafts.to_evaluate())
 
         picked_rows, input_rows = picked.tolist(), inputs.tolist()
+        # a hybrid row keeps what it accepted where every recurrent layer's states after each
+        # token of the pass were recorded; elsewhere it goes back to before the pass
+        stepped = bool(steps) and steps.after(batch.prompt_cache, main_states, ()) is not None
         emitted, kept, main_keep, rows = [], [], [], []
         for i in range(B):
             n, start = fed[i], len(batch.tokens[i])
@@ -482,7 +494,7 @@ class Speculation:
                 kept.append((len(accepted), slots[i]))
             taken = n + len(accepted)
             rows.append((start, n, len(accepted), True, last_known))
-            if not self.main_has_recurrent or taken == width:
+            if not self.main_has_recurrent or taken == width or stepped:
                 batch.tokens[i].extend(t for t, _, _ in self.pending[i])
                 batch.tokens[i].extend(t for t, _ in accepted)
                 main_keep.append(taken)
@@ -491,6 +503,11 @@ class Speculation:
                 main_keep.append(0)
                 self.pending[i] = ([(t, lp, True) for t, lp, _ in self.pending[i]]
                                    + [(t, lp, True) for t, lp in accepted] + [(bonus, bonus_logprobs, False)])
-        rewind_rows(batch.prompt_cache, width, main_keep, [main_states] if main_states else None)
+        states = None
+        if main_states:
+            states = {0: main_states}
+            if stepped:
+                states.update(steps.after(batch.prompt_cache, main_states, set(main_keep) - {0, width}))
+        rewind_rows(batch.prompt_cache, width, main_keep, states)
         self.drafts.settle(k, rows)
         return emitted, kept

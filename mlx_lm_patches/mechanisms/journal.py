@@ -29,7 +29,10 @@ A :class:`Journal` makes one model's cache list go back exactly:
   round re-runs them again: a re-run longer than ``window`` tokens is run at once instead (without
   that bound, every round that rejects a draft made the next verify pass one token longer). A
   draft model decodes one token per pass, so its trims land exactly on a kept state and replay
-  nothing - unless the bound below left no state there (``resync``).
+  nothing - unless the bound below left no state there (``resync``). Gated-delta layers of the
+  Qwen3-Next layout and Mamba-2 layers give their states after each token of a verify pass too
+  (``mechanisms/step_states.py``); where every kept cache is one, each is kept as a state of its
+  own, and a trim into a pass replays nothing either.
 * The whole cache list moves as a unit, or not at all: if any layer cannot reach the target
   (no kept state that old, a plain cache that cannot drop that many keys, a forward that
   bypassed the journal), nothing is touched and the trim reports 0 - or, for callers that ignore
@@ -56,6 +59,7 @@ from typing import List, Optional
 from mlx_lm_patches.engine.env import ROLLBACK_SNAPSHOTS as SNAPSHOTS_ENV
 from mlx_lm_patches.mechanisms.caches import (
     arrays, arrays_cache_class, flat_caches, int_offset, kept_caches, same_objects)
+from mlx_lm_patches.mechanisms.step_states import StepStates
 
 
 _journals = weakref.WeakKeyDictionary()  # recurrent cache object -> its Journal
@@ -262,14 +266,36 @@ class Journal:
             replayed = self._pending.shape[1]
             inputs = mx.concatenate([self._pending.astype(inputs.dtype), inputs], axis=1)
             self._pending = None
-        self._snapshots.append(_Snapshot(self.pos, [_slots(c) for c in self.recurrent], inputs))
-        out = self.model(inputs, cache=cache)
+        before = [_slots(c) for c in self.recurrent]
+        self._snapshots.append(_Snapshot(self.pos, before, inputs))
+        # a verify pass's states between its tokens (not a prompt's: a trim never goes that far)
+        steps = StepStates(self.model) if 1 < inputs.shape[1] <= self.window + 1 else None
+        with steps if steps else contextlib.nullcontext():
+            out = self.model(inputs, cache=cache)
+        if steps:
+            self._keep_steps(steps, cache, before, inputs)
         self.pos += inputs.shape[1]
         self._after = [_slots(c) for c in self.recurrent]
         self._prune()
         if replayed and isinstance(out, mx.array) and out.ndim >= 2 and out.shape[1] == inputs.shape[1]:
             out = out[:, replayed:]
         return out
+
+    def _keep_steps(self, steps, caches, before, inputs):
+        """Where every kept cache is a gated-delta layer whose states after each token of the
+        pass were recorded (``mechanisms/step_states.py``), keep those as states of their own: a
+        trim into the pass then restores the state at its target and re-runs nothing."""
+        arrays_cache = arrays_cache_class()
+        if not all(isinstance(c, arrays_cache) for c in self.recurrent):
+            return  # a sliding window has no states between a pass's tokens
+        saved = {id(c): (s[0], s[1]) for c, s in zip(self.recurrent, before)}
+        after = steps.after(caches, [saved.get(id(c)) for c in flat_caches(caches)], range(1, inputs.shape[1]))
+        if after is None:
+            return
+        self._snapshots[-1].tokens = inputs[:, :1]
+        for j in range(1, inputs.shape[1]):
+            states = [(slots, padding, None) for slots, padding in filter(None, after[j])]
+            self._snapshots.append(_Snapshot(self.pos + j, states, inputs[:, j:j + 1]))
 
     def _prune(self):
         # Keep every snapshot a trim of up to `window` tokens may need: those at or after

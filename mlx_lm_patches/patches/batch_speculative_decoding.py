@@ -9,7 +9,9 @@ Bug
 Fix
     ``BatchGenerator(model, draft_model=..., num_draft_tokens=k)`` speculates in its generation
     batch (``mechanisms/batch_speculation.py``): every row drafts, one batched pass verifies all,
-    each row accepts its own tokens and goes back on its own. The draft is a draft model, or
+    each row accepts its own tokens and goes back on its own (a gated-delta or Mamba-2 row to the
+    state after what it accepted, ``mechanisms/step_states.py``; other recurrent rows to the
+    round's start, their accepted tokens fed again). The draft is a draft model, or
     ``model.make_draft_model()``: the model's MTP head drafting for all rows in one pass
     (``mechanisms/mtp/batched.py``). A row's extracted cache is its main caches then its draft
     caches, as ``mlx_lm.server``'s one-at-a-time path stores them; a supplied cache of that
@@ -23,7 +25,9 @@ Retire
     When mlx-lm's ``BatchGenerator`` speculates itself.
 
 Metal
-    The models' own forwards; moving a row inside its attention cache is an mlx gather.
+    The models' own forwards; moving a row inside its attention cache is an mlx gather. A
+    gated-delta layer's recurrence in a verify pass is mlx-lm's kernel called once per token; a
+    Mamba-2 row's state after what it kept is mlx-lm's ``ssm_update`` over those tokens.
 """
 
 import functools

@@ -14,7 +14,9 @@ Fix
     windows runs through a journal (``mechanisms/journal.py``): recurrent states (and window
     views) are kept by reference before each pass; a trim restores the newest kept state at or
     before the target, trims attention caches to the same position and re-runs the accepted
-    tokens through the model's own forward (fused into the next verify pass). All layers move
+    tokens through the model's own forward (fused into the next verify pass). Gated-delta
+    and Mamba-2 layers also keep their states after each token of a verify pass
+    (``mechanisms/step_states.py``): their trims land on a kept state and re-run nothing. All layers move
     together or none does (``RollbackRefused``, never a reset). Kept states are bounded
     (``MLX_LM_PATCHES_ROLLBACK_SNAPSHOTS``): the main model's drafts are capped before the first
     token, a draft's rollback never refuses. Details: docs/rollback.md.
@@ -25,7 +27,9 @@ Retire
 Metal
     The replay is the model's own forward (the kernels of a cold prefill). On GPU verify and
     replay passes run multi-token kernels where the greedy reference decodes one token at a
-    time: expect ~1e-6 rounding differences, as for dense models.
+    time: expect ~1e-6 rounding differences, as for dense models. A gated-delta layer's
+    recurrence in a verify pass is mlx-lm's kernel called once per token instead of once; a
+    Mamba-2 state restored inside a pass is mlx-lm's ``ssm_update`` over the tokens kept.
 """
 
 import sys
