@@ -9,6 +9,7 @@ from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
 from mlx_lm_patches.selftest.scenarios import batched_greedy, greedy, split_prefilled
 from mlx_lm_patches.selftest.tiny_models import DENSE_MODEL_TYPE, available_model_types, build_tiny_model
 from support.references import tiny_greedy
+from support.upstream_bugs import RECURRENT_GEMMA_JOIN
 
 
 # (model_type, situation) -> True where the cell is known wrong and its fix is pending
@@ -68,3 +69,29 @@ def test_batch_generate_token_ids_equal_generate(model_type):
         eos = set(tokenizer.eos_token_ids)
         cut = next((i + 1 for i, t in enumerate(single) if t in eos), len(single))
         assert list(ids)[:cut] == single[:cut]
+
+
+@pytest.mark.skipif("recurrent_gemma" not in available_model_types(), reason="no recurrent_gemma in this mlx-lm")
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=RECURRENT_GEMMA_JOIN)
+def test_recurrent_gemma_rows_joining_a_step_apart_equal_each_alone():
+    """Rows of 61, 25 and 121 prompt tokens inserted a step apart: each equals decoding it alone
+    (support/upstream_bugs.py: the third emits its 7th token twice)."""
+    import sys
+
+    generate = sys.modules["mlx_lm.generate"]
+    if not hasattr(generate, "GenerationBatch"):
+        pytest.skip("this mlx-lm's BatchGenerator (before 0.31.2) is not measured for this")
+    model = build_tiny_model("recurrent_gemma", seed=1)
+    prompts = [prompt_tokens(n, seed=n) for n in (61, 25, 121)]
+    gen = generate.BatchGenerator(model, max_tokens=10)
+    out, row, step = {}, {}, 0
+    while len(out) < 3 or any(len(tokens) < 10 for tokens in out.values()):
+        if step < 3:
+            (uid,) = gen.insert([prompts[step]], [10])
+            row[uid], out[uid] = step, []
+        for r in gen.next_generated():
+            out[r.uid].append(int(r.token))
+        step += 1
+    gen.close()
+    for uid, tokens in out.items():
+        assert tokens == greedy(model, prompts[row[uid]], max_tokens=10).tokens, row[uid]
