@@ -139,12 +139,13 @@ def _one_family_per_cache_layout():
 
 
 def _joining_rows_exact(model_type):
-    """A family's case, marked where rows joining a step apart are known inexact upstream (the
-    answer then depends on when the requests arrive: support/upstream_bugs.py)."""
+    """A family's case, skipped where rows joining a step apart are known inexact upstream: its
+    answers then depend on when the requests arrive (support/upstream_bugs.py; the batched engine
+    in process, test_batched_engine_equals_each_prompt_alone, still checks it)."""
     from support.upstream_bugs import RECURRENT_GEMMA_JOIN
 
     if model_type == "recurrent_gemma":
-        return pytest.param(model_type, marks=pytest.mark.xfail(strict=False, reason=RECURRENT_GEMMA_JOIN))
+        return pytest.param(model_type, marks=pytest.mark.skip(reason=RECURRENT_GEMMA_JOIN))
     return model_type
 
 
