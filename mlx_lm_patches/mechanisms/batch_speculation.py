@@ -458,7 +458,8 @@ class Speculation:
         picked_rows, input_rows = picked.tolist(), inputs.tolist()
         # a hybrid row keeps what it accepted where every recurrent layer's states after each
         # token of the pass were recorded; elsewhere it goes back to before the pass
-        stepped = bool(steps) and steps.after(batch.prompt_cache, main_states, ()) is not None
+        after = steps.after(batch.prompt_cache, main_states, range(1, width)) if steps else None
+        stepped = after is not None
         emitted, kept, main_keep, rows = [], [], [], []
         for i in range(B):
             n, start = fed[i], len(batch.tokens[i])
@@ -503,11 +504,6 @@ class Speculation:
                 main_keep.append(0)
                 self.pending[i] = ([(t, lp, True) for t, lp, _ in self.pending[i]]
                                    + [(t, lp, True) for t, lp in accepted] + [(bonus, bonus_logprobs, False)])
-        states = None
-        if main_states:
-            states = {0: main_states}
-            if stepped:
-                states.update(steps.after(batch.prompt_cache, main_states, set(main_keep) - {0, width}))
-        rewind_rows(batch.prompt_cache, width, main_keep, states)
+        rewind_rows(batch.prompt_cache, width, main_keep, {0: main_states, **(after or {})} if main_states else None)
         self.drafts.settle(k, rows)
         return emitted, kept

@@ -182,6 +182,8 @@ class Journal:
             )
         self.caches = caches
         self.recurrent = kept_caches(caches)  # recurrent states and sliding windows
+        # states between a pass's tokens can be kept (mechanisms/step_states.py): no sliding window
+        self._steppable = all(isinstance(c, arrays_cache_class()) for c in self.recurrent)
         self.pos = 0  # tokens the caches hold
         self._pending = None  # token ids [1, k] a trim went back over, re-run by the next pass
         self._paused = False  # see paused()
@@ -269,7 +271,7 @@ class Journal:
         before = [_slots(c) for c in self.recurrent]
         self._snapshots.append(_Snapshot(self.pos, before, inputs))
         # a verify pass's states between its tokens (not a prompt's: a trim never goes that far)
-        steps = StepStates(self.model) if 1 < inputs.shape[1] <= self.window + 1 else None
+        steps = StepStates(self.model) if self._steppable and 1 < inputs.shape[1] <= self.window + 1 else None
         with steps if steps else contextlib.nullcontext():
             out = self.model(inputs, cache=cache)
         if steps:
@@ -282,12 +284,9 @@ class Journal:
         return out
 
     def _keep_steps(self, steps, caches, before, inputs):
-        """Where every kept cache is a gated-delta layer whose states after each token of the
-        pass were recorded (``mechanisms/step_states.py``), keep those as states of their own: a
-        trim into the pass then restores the state at its target and re-runs nothing."""
-        arrays_cache = arrays_cache_class()
-        if not all(isinstance(c, arrays_cache) for c in self.recurrent):
-            return  # a sliding window has no states between a pass's tokens
+        """Where every kept cache is a gated-delta or Mamba-2 layer whose states after each token
+        of the pass were recorded (``mechanisms/step_states.py``), keep those as states of their
+        own: a trim into the pass then restores the state at its target and re-runs nothing."""
         saved = {id(c): (s[0], s[1]) for c, s in zip(self.recurrent, before)}
         after = steps.after(caches, [saved.get(id(c)) for c in flat_caches(caches)], range(1, inputs.shape[1]))
         if after is None:

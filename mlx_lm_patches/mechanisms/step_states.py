@@ -25,7 +25,6 @@ is not recorded, and :meth:`StepStates.after` answers None for the whole pass: t
 back as it did without it (to the state before the pass).
 """
 
-import inspect
 import sys
 from typing import Dict, List, Optional
 
@@ -70,7 +69,7 @@ class _RecordingConv:
         self._conv, self._recorder = conv, recorder
 
     def __call__(self, x):
-        self._recorder._conv = x
+        self._recorder.conv_input = x
         return self._conv(x)
 
     def __getattr__(self, name):
@@ -83,8 +82,8 @@ class StepStates:
 
     def __init__(self, model):
         self.mixers = _mixers(model)
-        self.records = {}  # id(state before the pass) -> (that state, convolution input, states after each token)
-        self._conv = None
+        self.records = {}  # id(state before the pass) -> (that state, convolution input, width, j -> state after j)
+        self.conv_input = None  # the last recorded convolution's input, until its recurrence takes it
         self._undo = []
 
     def __bool__(self):
@@ -98,7 +97,7 @@ class StepStates:
                 self._undo.append(lambda module=module, name=name, original=original: setattr(module, name, original))
         for mixer in self.mixers:
             conv = mixer["conv1d"]
-            mixer["conv1d"] = self._recording(conv)
+            mixer["conv1d"] = _RecordingConv(conv, self)
             self._undo.append(lambda mixer=mixer, conv=conv: mixer.__setitem__("conv1d", conv))
         return self
 
@@ -107,10 +106,9 @@ class StepStates:
             self._undo.pop()()
         return False
 
-    def _recording(self, conv):
-        return _RecordingConv(conv, self)
-
     def _recording_update(self, original, along, stepwise):
+        import inspect
+
         import mlx.core as mx
 
         signature = inspect.signature(original)
@@ -125,7 +123,7 @@ class StepStates:
 
         def update(*args, **kwargs):
             arguments = signature.bind(*args, **kwargs).arguments
-            before, conv, self._conv = arguments.get("state"), self._conv, None
+            before, conv, self.conv_input = arguments.get("state"), self.conv_input, None
             if before is None or conv is None or arguments.get("lengths") is not None:
                 return original(*args, **kwargs)
             width = arguments[along[0]].shape[1]
