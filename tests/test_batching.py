@@ -6,10 +6,9 @@ per-prompt caches. Through mlx-lm's own BatchGenerator and batch_generate, patch
 import pytest
 
 from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
-from mlx_lm_patches.selftest.scenarios import batched_greedy, greedy, split_prefilled
+from mlx_lm_patches.selftest.scenarios import batched_greedy, fresh_rows_beside_history, greedy, split_prefilled
 from mlx_lm_patches.selftest.tiny_models import DENSE_MODEL_TYPE, available_model_types, build_tiny_model
 from support.references import tiny_greedy
-from support.upstream_bugs import RECURRENT_GEMMA_JOIN
 
 
 # (model_type, situation) -> True where the cell is known wrong and its fix is pending
@@ -71,16 +70,61 @@ def test_batch_generate_token_ids_equal_generate(model_type):
         assert list(ids)[:cut] == single[:cut]
 
 
+@pytest.mark.parametrize("model_type", [DENSE_MODEL_TYPE] + available_model_types())
+def test_a_new_row_beside_rows_with_history_equals_it_alone(model_type, mlx_lm_version):
+    """A prompt inserted while another is still prefilled (it joins that row's prompt batch from
+    0.31.2), and a new prompt batched with one continuing a pre-filled cache: each row equals
+    decoding it alone (``batch-fresh-row-state``: recurrent_gemma's rows started from zeros)."""
+    from packaging.version import Version
+
+    if model_type == DENSE_MODEL_TYPE and mlx_lm_version is not None and mlx_lm_version < Version("0.30.4"):
+        pytest.skip("before 0.30.4 BatchKVCache.merge cannot take an empty cache beside a filled one: "
+                    "a dense-model crash outside this package (hybrid prompts are prefilled alone there)")
+    assert fresh_rows_beside_history(build_tiny_model(model_type, seed=1), model_type) is None
+
+
+@pytest.mark.parametrize("model_type", available_model_types())
+def test_a_zero_state_computes_what_no_state_does_except_where_the_patch_knows(model_type):
+    """mlx-lm fills a new row's empty recurrent slots with zeros when it batches it beside rows
+    with state. That is exact for a family only if a zero state computes what no state does;
+    ``batch-fresh-row-state`` knows the families where it does not (recurrent_gemma's RG-LRU)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlx_lm_patches.mechanisms.caches import arrays_cache_class, flat_caches
+    from mlx_lm_patches.patches.batch_fresh_row_state import _starts_from_none
+
+    model = build_tiny_model(model_type, seed=1)
+    tokens = mx.array([prompt_tokens(12, seed=3)])
+    empty = make_prompt_cache(model)
+    from_none = model(tokens, cache=empty)
+    zeros = make_prompt_cache(model)
+    recurrent = [(z, e) for z, e in zip(flat_caches(zeros), flat_caches(empty)) if isinstance(z, arrays_cache_class())]
+    for z, e in recurrent:
+        z.cache = [None if s is None else _zeros_like(s) for s in e.cache]
+    from_zeros = model(tokens, cache=zeros)
+    differs = not mx.array_equal(from_none, from_zeros).item()
+    assert differs == _starts_from_none(model), f"{model_type}: a zero state {'differs' if differs else 'does not differ'}"
+
+
+def _zeros_like(slot):
+    import mlx.core as mx
+
+    if isinstance(slot, (tuple, list)):
+        return type(slot)(_zeros_like(s) for s in slot)
+    return mx.zeros(slot.shape, slot.dtype)
+
+
 @pytest.mark.skipif("recurrent_gemma" not in available_model_types(), reason="no recurrent_gemma in this mlx-lm")
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=RECURRENT_GEMMA_JOIN)
 def test_recurrent_gemma_rows_joining_a_step_apart_equal_each_alone():
-    """Rows of 61, 25 and 121 prompt tokens inserted a step apart: each equals decoding it alone
-    (support/upstream_bugs.py: the third emits its 7th token twice)."""
+    """Rows of 61, 25 and 121 prompt tokens inserted a step apart, as vllm-mlx's concurrent chats
+    arrive: each equals decoding it alone (without ``batch-fresh-row-state`` the third, which
+    joins the second's prompt batch, emits its 7th token twice)."""
     import sys
 
     generate = sys.modules["mlx_lm.generate"]
-    if not hasattr(generate, "GenerationBatch"):
-        pytest.skip("this mlx-lm's BatchGenerator (before 0.31.2) is not measured for this")
+    if not hasattr(generate.BatchGenerator, "next_generated"):
+        pytest.skip("this mlx-lm's BatchGenerator (before 0.31.2) prefills a new prompt in a batch of its own")
     model = build_tiny_model("recurrent_gemma", seed=1)
     prompts = [prompt_tokens(n, seed=n) for n in (61, 25, 121)]
     gen = generate.BatchGenerator(model, max_tokens=10)

@@ -138,19 +138,8 @@ def _one_family_per_cache_layout():
     return list(representatives(tuple(_families())))
 
 
-def _joining_rows_exact(model_type):
-    """A family's case, skipped where rows joining a step apart are known inexact upstream: its
-    answers then depend on when the requests arrive (support/upstream_bugs.py; the batched engine
-    in process, test_batched_engine_equals_each_prompt_alone, still checks it)."""
-    from support.upstream_bugs import RECURRENT_GEMMA_JOIN
-
-    if model_type == "recurrent_gemma":
-        return pytest.param(model_type, marks=pytest.mark.skip(reason=RECURRENT_GEMMA_JOIN))
-    return model_type
-
-
 @pytest.mark.subprocess
-@pytest.mark.parametrize("model_type", [_joining_rows_exact(t) for t in _one_family_per_cache_layout()])
+@pytest.mark.parametrize("model_type", _one_family_per_cache_layout())
 def test_server_concurrent_chats_equal_the_references(model_type, tmp_path_factory):
     """``python -m vllm_mlx.server --continuous-batching`` (the package activated by its
     ``.pth``), chats of different lengths sent concurrently by the ``openai`` client: each

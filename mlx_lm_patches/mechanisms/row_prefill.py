@@ -3,7 +3,15 @@
 Each row is taken out of the batch cache as the single-sequence cache the model uses alone,
 prefilled through the model's own forward with batch size one, and the batch cache is rebuilt
 with mlx-lm's ``_merge_caches``: what ``batch-prefill-per-row`` (hybrid families that ignore
-padding) and ``prompt-cache-prefix-reuse`` (states kept per row) need.
+padding), ``batch-fresh-row-state`` (rows that start beside rows with history) and
+``prompt-cache-prefix-reuse`` (states kept per row) need.
+
+A row that has processed nothing starts from the cache a sequence alone starts from: empty
+recurrent slots (``None``) and empty attention caches. In the batch it may hold the zeros
+mlx-lm's ``ArraysCache.extend``/``merge`` put in for an empty slot beside rows with state.
+
+Before 0.31.2 the unit is ``BatchGenerator._process_prompts``: :func:`process_prompts_alone`
+runs it once per prompt.
 """
 
 import sys
@@ -16,24 +24,42 @@ class _Unsupported(Exception):
     pass
 
 
-def _row_cache(c, i):
-    """Row ``i`` of a batch cache, as the single-sequence cache the model uses alone."""
+def _row_cache(c, i, fresh=False):
+    """Row ``i`` of a batch cache, as the single-sequence cache the model uses alone (``fresh``:
+    the row has processed nothing, so that cache is empty)."""
     cm = sys.modules[CACHE]
     if isinstance(c, cm.CacheList):
-        return cm.CacheList(*(_row_cache(sub, i) for sub in c.caches))
+        return cm.CacheList(*(_row_cache(sub, i, fresh) for sub in c.caches))
     if isinstance(c, cm.ArraysCache):
         row = type(c).__new__(type(c))
-        row.cache = [None if s is None else s[i:i + 1] for s in c.cache]
+        row.cache = [None if s is None or fresh else s[i:i + 1] for s in c.cache]
         row.left_padding = None
         row.lengths = None
         return row
     if isinstance(c, cm.BatchKVCache):
-        return cm.KVCache() if c.keys is None else c.extract(i)
+        return cm.KVCache() if c.keys is None or fresh else c.extract(i)
     if isinstance(c, cm.BatchRotatingKVCache):
-        if c.keys is None:
+        if c.keys is None or fresh:
             return cm.RotatingKVCache(max_size=c.max_size)
         return c.extract(i)
     raise _Unsupported(type(c).__name__)
+
+
+def zero_filled_rows(instance) -> set:
+    """Rows of a ``PromptProcessingBatch`` that have processed nothing (no tokens in mlx-lm's
+    record of the row) yet hold recurrent state: the zeros mlx-lm's ``ArraysCache.extend`` and
+    ``merge`` put in for an empty slot. A row with state but no record (a cache handed to
+    ``insert`` without its tokens) holds non-zero state and is not one of them."""
+    import mlx.core as mx
+
+    from mlx_lm_patches.mechanisms.caches import arrays, recurrent_caches
+
+    slots = [a for c in recurrent_caches(instance.prompt_cache) for s in c.cache for a in arrays(s)]
+    candidates = [i for i, held in enumerate(instance.tokens) if not held]
+    if not slots or not candidates:
+        return set()
+    zero = mx.stack([mx.stack([mx.all(s[i] == 0) for s in slots]).all() for i in candidates])
+    return {i for i, z in zip(candidates, zero.tolist()) if z}
 
 
 def prefill_rows_alone(instance, tokens, row_model=None) -> bool:
@@ -44,8 +70,9 @@ def prefill_rows_alone(instance, tokens, row_model=None) -> bool:
     changed) if a row cache cannot be taken out of the batch."""
     import mlx.core as mx
 
+    fresh = zero_filled_rows(instance)
     try:
-        rows = [[_row_cache(c, i) for c in instance.prompt_cache] for i in range(len(tokens))]
+        rows = [[_row_cache(c, i, i in fresh) for c in instance.prompt_cache] for i in range(len(tokens))]
     except _Unsupported:
         return False
     histories = [list(held) for held in instance.tokens]
@@ -64,3 +91,12 @@ def prefill_rows_alone(instance, tokens, row_model=None) -> bool:
     instance.prompt_cache = sys.modules[GENERATE]._merge_caches(rows)
     mx.eval([c.state for c in instance.prompt_cache])
     return True
+
+
+def process_prompts_alone(process, prompts):
+    """<= 0.31.1: ``BatchGenerator._process_prompts`` (``process``) run once per prompt, each
+    from its own cache, the batches joined with mlx-lm's ``Batch.extend``."""
+    batch = process([prompts[0]])
+    for prompt in prompts[1:]:
+        batch.extend(process([prompt]))
+    return batch

@@ -31,7 +31,7 @@ import sys
 
 from mlx_lm_patches.engine.contract import Outcome
 from mlx_lm_patches.mechanisms import rope_rows
-from mlx_lm_patches.mechanisms.row_prefill import prefill_rows_alone
+from mlx_lm_patches.mechanisms.row_prefill import prefill_rows_alone, process_prompts_alone
 
 log = logging.getLogger("mlx_lm_patches")
 
@@ -74,10 +74,7 @@ def _process_prompts(wrapped, instance, args, kwargs):
     ):
         return wrapped(*args, **kwargs)
     try:
-        batch = wrapped([prompts[0]])
-        for prompt in prompts[1:]:
-            batch.extend(wrapped([prompt]))
-        return batch
+        return process_prompts_alone(wrapped, prompts)
     except (TypeError, ValueError, AttributeError) as exc:
         # e.g. kimi_linear <= 0.30.6 keeps tuples in its cache slots, which Batch.extend cannot
         # join; the inputs were not consumed (fresh caches, or merged copies of the given ones),

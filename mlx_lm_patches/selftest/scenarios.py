@@ -149,6 +149,64 @@ def batched_greedy(model, prompts, max_tokens=8, caches=None, late_prompts=(), l
     return [results[uid] for uid in uids]
 
 
+def staggered_greedy(model, prompts, insert_at, max_tokens=8, prefill_step_size=16, caches=None):
+    """Greedy decoding through ``BatchGenerator.next`` with prompt ``i`` inserted before call
+    ``insert_at[i]`` (call 0: before the first), prompts prefilled ``prefill_step_size`` tokens
+    at a time: from 0.31.2 one ``next()`` processes one chunk, so a prompt can arrive while
+    another is still in its prompt. ``caches``: per-prompt caches (``None``: a new one).
+    Returns one :class:`Decoded` per prompt, in order."""
+    import mlx.core as mx
+    from mlx_lm.generate import BatchGenerator
+
+    gen = BatchGenerator(model, max_tokens=max_tokens, prefill_step_size=prefill_step_size)
+    caches = caches or [None] * len(prompts)
+    results, order, calls = {}, [], 0
+    while len(order) < len(prompts) or any(len(results[u].tokens) < max_tokens for u in order):
+        for i in range(len(prompts)):
+            if insert_at[i] == calls:
+                one = [caches[i]] if caches[i] is not None else None
+                (uid,) = gen.insert([list(prompts[i])], [max_tokens], caches=one)
+                results[uid] = Decoded([], [])
+                order.append(uid)
+        responses = gen.next()
+        if isinstance(responses, tuple):  # >= 0.31.2: (prompt responses, generated tokens)
+            responses = responses[1]
+        for r in responses:
+            results[r.uid].tokens.append(int(r.token))
+            results[r.uid].logprobs.append(r.logprobs)
+        calls += 1
+        if calls > 100 * (len(prompts) + max_tokens + sum(len(p) for p in prompts)):
+            raise RuntimeError("BatchGenerator stopped producing tokens")
+    if hasattr(gen, "close"):
+        gen.close()
+    for decoded in results.values():
+        mx.eval(decoded.logprobs)
+    return [results[uid] for uid in order]
+
+
+def fresh_rows_beside_history(model, model_type="recurrent_gemma") -> Optional[str]:
+    """New prompts batched beside rows that already hold tokens: one inserted while another is
+    still in its prompt, and one batched with a prompt continuing a pre-filled cache (same
+    length, so no per-row prefill is needed for padding). ``None`` if each equals decoding it
+    alone, else what went wrong."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    long, short = prompt_tokens(40, seed=40), prompt_tokens(9, seed=9)
+    cached = prompt_tokens(15, seed=15)
+    caches, rest = split_prefilled(model, [cached], (6,))
+    situations = {
+        "inserted while another prompt is prefilled": (
+            lambda: staggered_greedy(model, [long, short], (0, 1)),
+            [greedy(model, long), greedy(model, short)],
+        ),
+        "batched with a prompt continuing its cache": (
+            lambda: batched_greedy(model, [rest[0], short], caches=[caches[0], make_prompt_cache(model)]),
+            [greedy(model, cached), greedy(model, short)],
+        ),
+    }
+    return first_problem(model_type, situations)
+
+
 def round_trip_families(models, seed, summary) -> Outcome:
     """:func:`round_trip_prompt_cache` for each ``(model_type, model)`` in ``models``; the first
     problem fails the outcome, otherwise ``summary`` with one detail line per family."""
