@@ -96,20 +96,17 @@ def rewind_rows(caches, width: int, keep: List[int], states=None) -> None:
     drop = [width - n for n in keep]
     if not any(drop):
         return
-    rows = mx.array(keep)
     for index, c in enumerate(flat_caches(caches)):
         if _is_recurrent(c):
-            chosen = list(c.cache) + [c.left_padding]
-            for j in sorted(set(keep)):
-                if j == width:
-                    continue
-                saved_slots, saved_padding = states[j][index]
-                for slot, (now, then) in enumerate(zip(chosen, saved_slots + [saved_padding])):
-                    if now is None or then is None:
-                        continue
-                    where = (rows == j).reshape((-1,) + (1,) * (now.ndim - 1))
-                    chosen[slot] = mx.where(where, then, now)
-            c.cache, c.left_padding = chosen[:-1], chosen[-1]  # models that ``advance`` moved it
+            now = list(c.cache) + [c.left_padding]
+            saved = {j: states[j][index][0] + [states[j][index][1]] for j in set(keep) if j != width}
+            for slot, current in enumerate(now):
+                # each row's state read once from the state it keeps (a state the pass started
+                # without stays as the pass left it); rows that keep every token stay as they are
+                sources = [current if n == width or saved[n][slot] is None else saved[n][slot] for n in keep]
+                if current is not None and any(s is not current for s in sources):
+                    now[slot] = mx.concatenate([s[i:i + 1] for i, s in enumerate(sources)], axis=0)
+            c.cache, c.left_padding = now[:-1], now[-1]  # models that ``advance`` moved it
             continue
         least = min(drop)
         if least:

@@ -8,7 +8,8 @@ Bug
     so a row started from zeros gets other logits for its whole prompt, and other tokens. It
     happens in ``BatchGenerator`` when a prompt is inserted while another row is still being
     prefilled (>= 0.31.2: it joins that row's ``PromptProcessingBatch``), and when a new prompt
-    is batched with one that continues a prompt cache (every release).
+    is batched with one that continues a prompt cache (>= 0.30.4; before, ``batch-prefill-per-row``
+    prefills every recurrent prompt alone).
 
 Fix
     A prompt pass of a recurrent_gemma batch with such a row is run row by row, through the
