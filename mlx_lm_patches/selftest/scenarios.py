@@ -149,23 +149,20 @@ def batched_greedy(model, prompts, max_tokens=8, caches=None, late_prompts=(), l
     return [results[uid] for uid in uids]
 
 
-def staggered_greedy(model, prompts, insert_at, max_tokens=8, prefill_step_size=16, caches=None):
+def staggered_greedy(model, prompts, insert_at, max_tokens=8, prefill_step_size=16):
     """Greedy decoding through ``BatchGenerator.next`` with prompt ``i`` inserted before call
     ``insert_at[i]`` (call 0: before the first), prompts prefilled ``prefill_step_size`` tokens
     at a time: from 0.31.2 one ``next()`` processes one chunk, so a prompt can arrive while
-    another is still in its prompt. ``caches``: per-prompt caches (``None``: a new one).
-    Returns one :class:`Decoded` per prompt, in order."""
+    another is still in its prompt. Returns one :class:`Decoded` per prompt, in order."""
     import mlx.core as mx
     from mlx_lm.generate import BatchGenerator
 
     gen = BatchGenerator(model, max_tokens=max_tokens, prefill_step_size=prefill_step_size)
-    caches = caches or [None] * len(prompts)
     results, order, calls = {}, [], 0
     while len(order) < len(prompts) or any(len(results[u].tokens) < max_tokens for u in order):
         for i in range(len(prompts)):
             if insert_at[i] == calls:
-                one = [caches[i]] if caches[i] is not None else None
-                (uid,) = gen.insert([list(prompts[i])], [max_tokens], caches=one)
+                (uid,) = gen.insert([list(prompts[i])], [max_tokens])
                 results[uid] = Decoded([], [])
                 order.append(uid)
         responses = gen.next()
