@@ -1,0 +1,96 @@
+"""mlx-lm 0.31.2: a hybrid prompt inserted while another is still prefilled gets a state row.
+
+Bug
+    From 0.31.2 a prompt inserted while another row of ``BatchGenerator`` is still in its prompt
+    (prompts longer than ``prefill_step_size``, 2048 by default; a server with a long request in
+    progress) joins that row's ``PromptProcessingBatch`` through ``extend``. In 0.31.2
+    ``ArraysCache.extend`` keeps the other side's slot when one side has none, so the new row,
+    which has processed nothing, gets no row of recurrent state: the next prompt pass crashes
+    (``[concatenate] ... shapes are (1,3,128), (2,16,128)``) for every hybrid family.
+
+Fix
+    Before ``PromptProcessingBatch.extend``, a recurrent slot that one side has and the other has
+    not is given zeros for the other side's rows (that side's row count is its number of
+    sequences): what ``ArraysCache.extend`` does from 0.31.3. A zero state computes what an
+    empty one does for every family but recurrent_gemma, which ``batch-fresh-row-state``
+    prefills from an empty state.
+
+Retire
+    When 0.31.2 drops out of the supported range.
+
+Metal
+    Python-side bookkeeping before the join; the model's own kernels run unchanged.
+"""
+
+import sys
+
+from mlx_lm_patches.engine.contract import Outcome
+
+GENERATE = "mlx_lm.generate"
+CACHE = "mlx_lm.models.cache"
+
+
+def _fill_missing(ours, our_rows, theirs, their_rows) -> None:
+    """Zeros for each recurrent slot one side lacks, shaped as the other side's, for its rows."""
+    import mlx.core as mx
+
+    from mlx_lm_patches.mechanisms.caches import flat_caches
+
+    arrays_cache = sys.modules[CACHE].ArraysCache
+    for a, b in zip(flat_caches(ours), flat_caches(theirs)):
+        if not (isinstance(a, arrays_cache) and isinstance(b, arrays_cache)):
+            continue
+        for slot, (x, y) in enumerate(zip(a.cache, b.cache)):
+            if x is None and isinstance(y, mx.array):
+                a.cache[slot] = mx.zeros((our_rows,) + y.shape[1:], y.dtype)
+            elif y is None and isinstance(x, mx.array):
+                b.cache[slot] = mx.zeros((their_rows,) + x.shape[1:], x.dtype)
+
+
+def _extend(wrapped, instance, args, kwargs):
+    batch = args[0] if args else kwargs["batch"]
+    if instance.prompt_cache and batch.prompt_cache and instance.uids and batch.uids:
+        _fill_missing(instance.prompt_cache, len(instance.uids), batch.prompt_cache, len(batch.uids))
+    return wrapped(*args, **kwargs)
+
+
+def probe():
+    import mlx.core as mx
+
+    gen, cache = sys.modules[GENERATE], sys.modules[CACHE]
+    if not hasattr(gen, "PromptProcessingBatch"):
+        return None
+    held = cache.ArraysCache(1)
+    held[0] = mx.zeros((1, 2))
+    batch = gen.PromptProcessingBatch(None, [0], [[held]])
+    batch.extend(gen.PromptProcessingBatch(None, [1], [[cache.ArraysCache(1)]]))
+    rows = batch.prompt_cache[0][0].shape[0]
+    if rows != 2:
+        return (f"a PromptProcessingBatch of a row with recurrent state extended by a new row holds "
+                f"{rows} row(s) of state for 2 sequences")
+    return None
+
+
+def apply(p):
+    p.wrap(f"{GENERATE}:PromptProcessingBatch.extend", _extend)
+
+
+def scenario():
+    """Hybrid families in BatchGenerator: a prompt inserted while another is still prefilled,
+    each row equal to decoding it alone."""
+    from mlx_lm_patches.selftest.scenarios import first_problem, greedy, staggered_greedy
+    from mlx_lm_patches.selftest.tiny_models import available_model_types, build_tiny_model
+    from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
+
+    if not hasattr(sys.modules[GENERATE], "PromptProcessingBatch"):
+        return Outcome.not_applicable("this mlx-lm prefills each new prompt in a batch of its own")
+    details = []
+    long, short = prompt_tokens(40, seed=40), prompt_tokens(9, seed=9)
+    for model_type in [t for t in ("qwen3_5", "nemotron_h", "mamba") if t in available_model_types()]:
+        model = build_tiny_model(model_type, seed=1)
+        problem = first_problem(model_type, {"inserted while another prompt is prefilled": (
+            lambda: staggered_greedy(model, [long, short], (0, 1)), [greedy(model, long), greedy(model, short)])})
+        if problem:
+            return Outcome.failure(problem)
+        details.append(f"{model_type}: a prompt joining one in its prefill, both exact")
+    return Outcome(True, "a prompt inserted while another is prefilled decodes as alone", details)
