@@ -8,7 +8,8 @@ decoding of that prompt alone (tokens, log-probabilities within 1e-4), its rows 
 than tokens. Hybrids of every recurrent kind and a dense control; rows of different lengths, rows
 joining while others decode, their own ``max_tokens``, stop tokens, a row with logits processors
 or its own sampler, the extracted cache (main then draft caches) inserted again, caches that
-cannot go back per row (rotating windows) decoding plainly. The server: ``ModelProvider`` keeps
+that cannot go back per row (a draft's sliding windows) decoding plainly; the main model's
+sliding windows going back per row. The server: ``ModelProvider`` keeps
 batching with a draft model and its generators take the draft (the HTTP answers are checked in
 test_server_openai.py).
 """
@@ -212,16 +213,59 @@ def test_supplied_draft_caches_wait_for_their_row_and_go_with_it():
     assert greedy(model, PROMPTS[1], max_tokens=6).compare(decoded[kept]) is None
 
 
-def test_rotating_windows_decode_plainly_with_one_warning(caplog):
-    """``max_kv_size`` gives rotating attention caches, which cannot go back per row: the
+# sliding windows of 6 positions: prompts of 5 to 30 tokens and 20 more wrap them, rows join with
+# left padding beyond the window, every rejection lands after a wrap
+NARROW_WINDOWS = {"recurrent_gemma": {"attention_window_size": 6}, "baichuan_m1": {"sliding_window": 6},
+                  "exaone_moe": {"sliding_window": 6}, "gear": {"sliding_window": 6}}
+
+
+def _hinted_rows(model, draft, prompts, max_tokens, share, **options):
+    """``BatchGenerator`` with ``draft`` whose proposals are the true token at a pseudo-random
+    ``share`` of the positions (support/batch_hints.py): each row's Decoded, the steps its rows
+    took."""
+    import random
+
+    from mlx_lm.generate import BatchGenerator
+
+    from support.batch_hints import hint_proposals
+
+    gen = BatchGenerator(model, max_tokens=max_tokens, draft_model=draft, num_draft_tokens=3, **options)
+    uids = gen.insert([list(p) for p in prompts], [max_tokens] * len(prompts))
+    reference = {uid: list(p) + greedy(model, p, max_tokens=max_tokens, **options).tokens for uid, p in zip(uids, prompts)}
+    hint_proposals(gen, reference, lambda uid, target: random.Random(uid * 7919 + target).random() < share)
+    decoded, _, steps = _run(gen, uids)
+    gen.close()
+    return [decoded[u] for u in uids], steps
+
+
+@pytest.mark.parametrize("model_type", sorted(NARROW_WINDOWS))
+@pytest.mark.parametrize("share", [0.5, 0.9])
+def test_sliding_windows_go_back_per_row(model_type, share):
+    """Rows of sliding-window models draft, verify and go back on their own past the window (a row
+    moves right inside the window, which keeps the ``max_size - 1`` positions its next token
+    needs), each equal to greedy decoding alone, in fewer steps than tokens."""
+    from mlx_lm_patches.selftest.tiny_models import _module_exists
+
+    if not _module_exists(model_type):
+        pytest.skip(f"no {model_type} in this mlx-lm")
+    model = build_tiny_model(model_type, seed=1, overrides=NARROW_WINDOWS[model_type])
+    with forced(SCHEDULE):
+        got, steps = _hinted_rows(model, build_tiny_model(DENSE_MODEL_TYPE, seed=3), PROMPTS, 20, share)
+    _assert_rows_equal_greedy(model, PROMPTS, got, 20)
+    assert steps < len(PROMPTS) * 20
+
+
+def test_a_draft_with_sliding_windows_decodes_plainly_with_one_warning(caplog):
+    """A draft model's windows are fed a token a call, a ring that cannot go back per row: the
     generator decodes without drafting (one warning), every row still equal to greedy."""
     import logging
 
     from mlx_lm.generate import BatchGenerator
 
-    model, draft = _models("qwen3")  # no make_cache: max_kv_size gives it RotatingKVCache layers
+    model = build_tiny_model("qwen3", seed=1)
+    draft = build_tiny_model("exaone_moe", seed=2, overrides={"sliding_window": 6})
     with caplog.at_level(logging.WARNING, logger="mlx_lm_patches"):
-        gen = BatchGenerator(model, max_tokens=8, max_kv_size=64, draft_model=draft, num_draft_tokens=3)
+        gen = BatchGenerator(model, max_tokens=8, draft_model=draft, num_draft_tokens=3)
     assert [r.getMessage() for r in caplog.records if "without drafting" in r.getMessage()]
     assert ATTR not in vars(gen._generation_batch)
     decoded, _, steps = _run(gen, gen.insert([list(p) for p in PROMPTS[:2]], [8, 8]))

@@ -35,9 +35,12 @@ A round, for a batch of ``B`` rows and ``k`` draft tokens (``W = k + 1``):
   A dense row keeps exactly what it accepted.
 
 Every token a row emits comes from the main model's logits over that row's known prefix, so the
-answer is the one greedy decoding gives; nothing is reset. Caches other than ``BatchKVCache`` and
-``ArraysCache`` (also inside a ``CacheList``): rotating windows, quantized caches, are not handled:
-:func:`hostable` says so before a generator starts speculating.
+answer is the one greedy decoding gives; nothing is reset. The main model's sliding windows
+(``BatchRotatingKVCache``) go back as attention rows do: the verify pass takes its tokens in one
+piece, after which the window holds, in temporal order, the ``max_size - 1`` positions before them
+and the pass's, so a row moved right keeps what its next token attends to. A draft model's
+windows (a ring, fed a token a call) and quantized caches are not handled: :func:`unhostable`
+says so before a generator starts speculating.
 """
 
 import contextlib
@@ -49,18 +52,41 @@ CACHE = "mlx_lm.models.cache"
 GENERATE = "mlx_lm.generate"
 
 
-def unhostable(caches) -> Optional[str]:
+def unhostable(caches, verified=False) -> Optional[str]:
     """Why a batch of these caches (one sequence's, as ``make_prompt_cache`` builds them) cannot
-    speculate, or None."""
+    speculate, or None. ``verified``: the main model's, which takes a round's tokens in one pass;
+    its sliding windows (``RotatingKVCache``) can then go back per row too (see
+    :func:`rewind_rows`); a draft's, fed a token a call, cannot."""
     import sys
 
     from mlx_lm_patches.mechanisms.caches import flat_caches
 
     cache = sys.modules[CACHE]
+    kinds = (cache.KVCache, cache.RotatingKVCache) if verified else (cache.KVCache,)
     for c in flat_caches(caches):
-        if type(c) is not cache.KVCache and not isinstance(c, cache.ArraysCache):
-            return f"{type(c).__name__} layers (only KVCache and ArraysCache rows go back on their own)"
+        if type(c) not in kinds and not isinstance(c, cache.ArraysCache):
+            allowed = "KVCache, RotatingKVCache" if verified else "KVCache"
+            return f"{type(c).__name__} layers (only {allowed} and ArraysCache rows go back on their own)"
     return None
+
+
+def _is_window(cache) -> bool:
+    import sys
+
+    return isinstance(cache, sys.modules[CACHE].BatchRotatingKVCache)
+
+
+def in_temporal_order(caches) -> None:
+    """Batch windows that mlx-lm's own steps left as a ring put back in temporal order before a
+    pass of several tokens. mlx-lm's ``BatchRotatingKVCache.make_mask`` reads the ring's write
+    index as the window's length when it computes the trim of such a pass, so a row still holding
+    left padding gets a mask one position off (0.31.2-0.32.2, measured: logits 2.4 apart); the
+    update itself reorders first, so doing it before the mask is what the update does anyway."""
+    from mlx_lm_patches.mechanisms.caches import flat_caches
+
+    for c in flat_caches(caches):
+        if _is_window(c) and c.keys is not None and c.rotated:
+            c._temporal_order()
 
 
 def _is_recurrent(cache) -> bool:
@@ -107,6 +133,15 @@ def rewind_rows(caches, width: int, keep: List[int], states=None) -> None:
                 if current is not None and any(s is not current for s in sources):
                     now[slot] = mx.concatenate([s[i:i + 1] for i, s in enumerate(sources)], axis=0)
             c.cache, c.left_padding = now[:-1], now[-1]  # models that ``advance`` moved it
+            continue
+        if _is_window(c):
+            # after a pass of ``width`` tokens a batch window holds, in temporal order, up to
+            # ``max_size - 1`` positions before them and the pass's: a row moved right by what it
+            # drops keeps the ``max_size - 1`` its next token attends to, and the trim of the next
+            # update drops the oldest positions first (a trim here would break that layout)
+            if c.rotated or c._idx != c.keys.shape[2]:
+                raise RuntimeError("a sliding window goes back only after a pass that took its tokens in one piece")
+            _move_right(c, drop)
             continue
         least = min(drop)
         if least:
@@ -175,7 +210,7 @@ class ModelDrafts:
     def supply(self, uid: int, caches, held: List[int]) -> None:
         """Draft caches supplied with a row (after its main caches), holding ``held``: the row's
         draft starts from them when it joins, fed only the tokens after ``held``."""
-        if held and all(getattr(c, "offset", len(held)) == len(held) for c in caches):
+        if held and unhostable(caches) is None and all(getattr(c, "offset", len(held)) == len(held) for c in caches):
             self.supplied[uid] = (caches, list(held))
 
     def forget_supplied(self, present) -> None:
@@ -444,6 +479,7 @@ class Speculation:
             position = mx.arange(width)[None, :] - mx.array(counts)[:, None]
             from_drafts = mx.take_along_axis(drafts, mx.clip(position, 0, k - 1), axis=1)
             inputs = mx.where((position >= 0) & (position < k), from_drafts, inputs)
+        in_temporal_order(batch.prompt_cache)
         main_states = _states(batch.prompt_cache) if self.main_has_recurrent else None
         steps = StepStates(batch.model) if self.main_has_recurrent else None
         with steps if steps else contextlib.nullcontext():

@@ -17,9 +17,12 @@ Fix
     caches, as ``mlx_lm.server``'s one-at-a-time path stores them; a supplied cache of that
     shape gives the main model its part and, with ``all_tokens``, a draft model its start. The
     server (not distributed) keeps batching and hands its generators the draft and
-    ``--num-draft-tokens``. Caches other than ``KVCache`` and ``ArraysCache`` (rotating windows,
-    quantized caches; a head's other than ``KVCache``, or a head of several layers) leave the
-    generator decoding plainly, batched, with one warning.
+    ``--num-draft-tokens``. The main model's sliding windows go back per row too; before a
+    verify pass a window mlx-lm's own steps left as a ring is put in temporal order (mlx-lm's
+    mask of a pass of several tokens over a ring is one position off for a row still holding
+    left padding). A draft model's windows, quantized caches, a head's caches other than
+    ``KVCache`` or a head of several layers leave the generator decoding plainly, batched, with
+    one warning.
 
 Retire
     When mlx-lm's ``BatchGenerator`` speculates itself.
@@ -65,7 +68,7 @@ def _drafting(draft, main_caches, prefill_step_size):
     from mlx_lm_patches.mechanisms.mtp import batched
     from mlx_lm_patches.mechanisms.mtp.decoding import MTPDraft
 
-    why = batch_speculation.unhostable(main_caches)
+    why = batch_speculation.unhostable(main_caches, verified=True)
     if isinstance(draft, MTPDraft):
         return batched.HeadDrafts(draft), why or batched.unhostable(draft)
     make_prompt_cache = sys.modules[CACHE].make_prompt_cache
