@@ -93,10 +93,20 @@ def prefill_rows_alone(instance, tokens, row_model=None) -> bool:
     return True
 
 
-def process_prompts_alone(process, prompts):
+def process_prompts_alone(process, prompts, otherwise: str):
     """<= 0.31.1: ``BatchGenerator._process_prompts`` (``process``) run once per prompt, each
-    from its own cache, the batches joined with mlx-lm's ``Batch.extend``."""
-    batch = process([prompts[0]])
-    for prompt in prompts[1:]:
-        batch.extend(process([prompt]))
-    return batch
+    from its own cache, the batches joined with mlx-lm's ``Batch.extend``. Where they cannot be
+    joined (kimi_linear <= 0.30.6 keeps tuples in its cache slots), the inputs were not consumed
+    (fresh caches, or merged copies of the given ones): the prompts are processed together, as
+    mlx-lm does, with a warning saying ``otherwise`` (what the caller's fix then does not do)."""
+    import logging
+
+    try:
+        batch = process([prompts[0]])
+        for prompt in prompts[1:]:
+            batch.extend(process([prompt]))
+        return batch
+    except (TypeError, ValueError, AttributeError) as exc:
+        logging.getLogger("mlx_lm_patches").warning("mlx-lm-patches: %s (%s: %s)", otherwise,
+                                                    type(exc).__name__, exc)
+        return process(prompts)

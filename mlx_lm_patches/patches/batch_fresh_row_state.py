@@ -26,13 +26,10 @@ Metal
     Uses the model's own forward (its Metal kernels) with batch size one; nothing is bypassed.
 """
 
-import logging
 import sys
 
 from mlx_lm_patches.engine.contract import Outcome
 from mlx_lm_patches.mechanisms.row_prefill import prefill_rows_alone, process_prompts_alone, zero_filled_rows
-
-log = logging.getLogger("mlx_lm_patches")
 
 GENERATE = "mlx_lm.generate"
 RECURRENT_GEMMA = "mlx_lm.models.recurrent_gemma"
@@ -78,12 +75,7 @@ def _process_prompts(wrapped, instance, args, kwargs):
         or len({_is_new(p[3]) for p in prompts}) < 2
     ):
         return wrapped(*args, **kwargs)
-    try:
-        return process_prompts_alone(wrapped, prompts)
-    except (TypeError, ValueError, AttributeError) as exc:
-        log.warning("mlx-lm-patches: new and continuing recurrent_gemma prompts processed together "
-                    "(%s: %s)", type(exc).__name__, exc)
-        return wrapped(*args, **kwargs)
+    return process_prompts_alone(wrapped, prompts, "new and continuing recurrent_gemma prompts processed together")
 
 
 def probe():

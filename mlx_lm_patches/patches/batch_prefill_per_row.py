@@ -26,14 +26,11 @@ Metal
     Uses the models' own forward (their Metal kernels) with batch size one; nothing is bypassed.
 """
 
-import logging
 import sys
 
 from mlx_lm_patches.engine.contract import Outcome
 from mlx_lm_patches.mechanisms import rope_rows
 from mlx_lm_patches.mechanisms.row_prefill import prefill_rows_alone, process_prompts_alone
-
-log = logging.getLogger("mlx_lm_patches")
 
 GENERATE = "mlx_lm.generate"
 CACHE = "mlx_lm.models.cache"
@@ -73,15 +70,8 @@ def _process_prompts(wrapped, instance, args, kwargs):
         )
     ):
         return wrapped(*args, **kwargs)
-    try:
-        return process_prompts_alone(wrapped, prompts)
-    except (TypeError, ValueError, AttributeError) as exc:
-        # e.g. kimi_linear <= 0.30.6 keeps tuples in its cache slots, which Batch.extend cannot
-        # join; the inputs were not consumed (fresh caches, or merged copies of the given ones),
-        # so mlx-lm's own batched prefill runs instead: no worse than without this patch.
-        log.warning("mlx-lm-patches: per-row prefill not possible here (%s: %s); using mlx-lm's "
-                    "batched prefill", type(exc).__name__, exc)
-        return wrapped(*args, **kwargs)
+    # where the rows cannot be joined, mlx-lm's own batched prefill: no worse than without this patch
+    return process_prompts_alone(wrapped, prompts, "per-row prefill not possible here; using mlx-lm's batched prefill")
 
 
 class _ShapeRecorder:
