@@ -5,6 +5,8 @@ prefilled through the model's own forward with batch size one, and the batch cac
 with mlx-lm's ``_merge_caches``: what ``batch-prefill-per-row`` (hybrid families that ignore
 padding), ``batch-fresh-row-state`` (rows that start beside rows with history) and
 ``prompt-cache-prefix-reuse`` (states kept per row) need.
+:func:`generate_fresh_rows_apart` starts the rows whose prompt is one token (their first step is
+``PromptProcessingBatch.generate``'s, not a prompt pass) from an empty state.
 
 A row that has processed nothing starts from the cache a sequence alone starts from: empty
 recurrent slots (``None``) and empty attention caches. In the batch it may hold the zeros
@@ -91,6 +93,29 @@ def prefill_rows_alone(instance, tokens, row_model=None) -> bool:
     instance.prompt_cache = sys.modules[GENERATE]._merge_caches(rows)
     mx.eval([c.state for c in instance.prompt_cache])
     return True
+
+
+def generate_fresh_rows_apart(generate, instance, tokens, fresh):
+    """``PromptProcessingBatch.generate(tokens)`` (``generate``, bound to ``instance``) with the
+    rows ``fresh`` (processed nothing, one token left: their first pass is the generation
+    batch's first step) started from empty recurrent slots, as a sequence alone starts. They
+    are split off into a batch of their own whose recurrent slots are emptied; the generation
+    batches of both parts are joined with mlx-lm's ``GenerationBatch.extend`` and put back in
+    the rows' order."""
+    from mlx_lm_patches.mechanisms.caches import recurrent_caches
+
+    uids = list(instance.uids)
+    rest = [i for i in range(len(tokens)) if i not in fresh]
+    apart = instance.split(sorted(fresh)) if rest else instance
+    for c in recurrent_caches(apart.prompt_cache):
+        c.cache = [None] * len(c.cache)
+    if not rest:
+        return generate(tokens)
+    batch = generate([tokens[i] for i in rest])
+    batch.extend(apart.generate([tokens[i] for i in sorted(fresh)]))
+    where = {uid: j for j, uid in enumerate(batch.uids)}
+    batch.filter([where[uid] for uid in uids])
+    return batch
 
 
 def process_prompts_alone(process, prompts, otherwise: str):

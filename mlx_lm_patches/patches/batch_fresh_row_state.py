@@ -14,7 +14,9 @@ Bug
 Fix
     A prompt pass of a recurrent_gemma batch with such a row is run row by row, through the
     model's own forward with a batch of one, each row from the cache it has alone: the new row
-    from an empty one (``mechanisms/row_prefill.py``). Before 0.31.2, prompts are processed
+    from an empty one (``mechanisms/row_prefill.py``). A new row whose prompt is one token has
+    no prompt pass (its first pass is the generation batch's first step): it is split off into a
+    batch of its own with empty recurrent slots before that step. Before 0.31.2, prompts are processed
     one at a time when new and continuing prompts would be merged. Other batches, other families
     and decoding take the stock path.
 
@@ -29,7 +31,12 @@ Metal
 import sys
 
 from mlx_lm_patches.engine.contract import Outcome
-from mlx_lm_patches.mechanisms.row_prefill import prefill_rows_alone, process_prompts_alone, zero_filled_rows
+from mlx_lm_patches.mechanisms.row_prefill import (
+    generate_fresh_rows_apart,
+    prefill_rows_alone,
+    process_prompts_alone,
+    zero_filled_rows,
+)
 
 GENERATE = "mlx_lm.generate"
 RECURRENT_GEMMA = "mlx_lm.models.recurrent_gemma"
@@ -59,6 +66,18 @@ def _prompt(wrapped, instance, args, kwargs):
         or not prefill_rows_alone(instance, tokens)
     ):
         return wrapped(*args, **kwargs)
+
+
+def _generate(wrapped, instance, args, kwargs):
+    """A new row whose prompt is one token has no prompt pass: its first pass is the generation
+    batch's first step, here."""
+    tokens = args[0] if args else kwargs.get("tokens")
+    if not tokens or len(tokens) != len(instance.uids) or not _starts_from_none(instance.model):
+        return wrapped(*args, **kwargs)
+    fresh = {i for i in zero_filled_rows(instance) if len(tokens[i]) == 1}
+    if not fresh:
+        return wrapped(*args, **kwargs)
+    return generate_fresh_rows_apart(wrapped, instance, list(tokens), fresh)
 
 
 def _is_new(caches) -> bool:
@@ -96,6 +115,7 @@ def apply(p):
     gen = p.module(GENERATE)
     if hasattr(gen, "PromptProcessingBatch"):
         p.wrap(f"{GENERATE}:PromptProcessingBatch.prompt", _prompt)
+        p.wrap(f"{GENERATE}:PromptProcessingBatch.generate", _generate)
     else:
         p.wrap(f"{GENERATE}:BatchGenerator._process_prompts", _process_prompts)
 
@@ -112,4 +132,5 @@ def scenario():
     if problem:
         return Outcome.failure(problem)
     return Outcome(True, "new recurrent_gemma rows beside rows with history decode as alone",
-                   ["a prompt inserted mid-prefill; a new prompt beside a cached one"])
+                   ["prompts (one of one token) inserted mid-prefill; a new prompt beside a cached one; "
+                    "a one-token prompt beside a cached prompt with one token left"])

@@ -182,23 +182,29 @@ def staggered_greedy(model, prompts, insert_at, max_tokens=8, prefill_step_size=
 
 
 def fresh_rows_beside_history(model, model_type="recurrent_gemma") -> Optional[str]:
-    """New prompts batched beside rows that already hold tokens: one inserted while another is
-    still in its prompt, and one batched with a prompt continuing a pre-filled cache (same
-    length, so no per-row prefill is needed for padding). ``None`` if each equals decoding it
+    """New prompts batched beside rows that already hold tokens: two (one of a single token)
+    inserted while another is still in its prompt, one batched with a prompt continuing a
+    pre-filled cache (same length, so no per-row prefill is needed for padding), and a one-token
+    prompt beside a cached prompt with one token left. ``None`` if each equals decoding it
     alone, else what went wrong."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    long, short = prompt_tokens(40, seed=40), prompt_tokens(9, seed=9)
+    long, short, one = prompt_tokens(40, seed=40), prompt_tokens(9, seed=9), prompt_tokens(1, seed=3)
     cached = prompt_tokens(15, seed=15)
-    caches, rest = split_prefilled(model, [cached], (6,))
+    caches, rest = split_prefilled(model, [cached, cached], (6, 14))
     situations = {
         "inserted while another prompt is prefilled": (
-            lambda: staggered_greedy(model, [long, short], (0, 1)),
-            [greedy(model, long), greedy(model, short)],
+            lambda: staggered_greedy(model, [long, short, one], (0, 1, 1)),
+            [greedy(model, long), greedy(model, short), greedy(model, one)],
         ),
         "batched with a prompt continuing its cache": (
             lambda: batched_greedy(model, [rest[0], short], caches=[caches[0], make_prompt_cache(model)]),
             [greedy(model, cached), greedy(model, short)],
+        ),
+        # both rows' first pass is the generation batch's first step, the new one first
+        "a one-token prompt batched with a prompt whose cache holds all but its last token": (
+            lambda: batched_greedy(model, [one, rest[1]], caches=[make_prompt_cache(model), caches[1]]),
+            [greedy(model, one), greedy(model, cached)],
         ),
     }
     return first_problem(model_type, situations)
