@@ -6,7 +6,13 @@ per-prompt caches. Through mlx-lm's own BatchGenerator and batch_generate, patch
 import pytest
 
 from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
-from mlx_lm_patches.selftest.scenarios import batched_greedy, fresh_rows_beside_history, greedy, split_prefilled
+from mlx_lm_patches.selftest.scenarios import (
+    batched_greedy,
+    fresh_rows_beside_history,
+    greedy,
+    short_prompts_beside_longer,
+    split_prefilled,
+)
 from mlx_lm_patches.selftest.tiny_models import DENSE_MODEL_TYPE, available_model_types, build_tiny_model
 from support.references import tiny_greedy
 
@@ -81,6 +87,20 @@ def test_a_new_row_beside_rows_with_history_equals_it_alone(model_type, mlx_lm_v
         pytest.skip("before 0.30.4 BatchKVCache.merge cannot take an empty cache beside a filled one: "
                     "a dense-model crash outside this package (hybrid prompts are prefilled alone there)")
     assert fresh_rows_beside_history(build_tiny_model(model_type, seed=1), model_type) is None
+
+
+@pytest.mark.parametrize("model_type", [DENSE_MODEL_TYPE] + available_model_types())
+def test_prompts_of_one_and_two_tokens_beside_longer_ones_equal_each_alone(model_type, mlx_lm_version):
+    """Prompts shorter than a recurrent layer's window (longcat_flash_ngram keeps the last
+    ``n - 1`` token ids: ``ngram-context-rows``) beside longer ones: together, inserted while
+    decoding, inserted mid-prefill, beside continued prompt caches of 5 and 1 tokens; each row
+    equals decoding it alone."""
+    from packaging.version import Version
+
+    if model_type == DENSE_MODEL_TYPE and mlx_lm_version is not None and mlx_lm_version < Version("0.30.4"):
+        pytest.skip("before 0.30.4 BatchKVCache.merge cannot take an empty cache beside a filled one: "
+                    "a dense-model crash outside this package (hybrid prompts are prefilled alone there)")
+    assert short_prompts_beside_longer(build_tiny_model(model_type, seed=1), model_type) is None
 
 
 @pytest.mark.parametrize("model_type", available_model_types())

@@ -210,6 +210,29 @@ def fresh_rows_beside_history(model, model_type="recurrent_gemma") -> Optional[s
     return first_problem(model_type, situations)
 
 
+def short_prompts_beside_longer(model, model_type) -> Optional[str]:
+    """Prompts of 1 and 2 tokens batched beside a longer one: together, inserted while the batch
+    decodes, inserted while a 40-token prompt is still prefilled, and prompt caches holding 5
+    and 1 tokens continued beside a new 2-token prompt. ``None`` if each equals decoding it
+    alone, else what went wrong."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    one, two, seven, long = (prompt_tokens(n, seed=n + 100) for n in (1, 2, 7, 40))
+    caches, rest = split_prefilled(model, [seven, seven], (5, 1))
+    situations = {
+        "together": (lambda: batched_greedy(model, [one, two, seven]),
+                     [greedy(model, p) for p in (one, two, seven)]),
+        "inserted while decoding": (lambda: batched_greedy(model, [seven], late_prompts=[one, two]),
+                                    [greedy(model, p) for p in (seven, one, two)]),
+        "inserted while a prompt is prefilled": (lambda: staggered_greedy(model, [long, two, one], (0, 1, 1)),
+                                                 [greedy(model, p) for p in (long, two, one)]),
+        "continuing prompt caches of 5 and 1 tokens, beside a new prompt": (
+            lambda: batched_greedy(model, [rest[0], rest[1], two], caches=caches + [make_prompt_cache(model)]),
+            [greedy(model, p) for p in (seven, seven, two)]),
+    }
+    return first_problem(model_type, situations)
+
+
 def round_trip_families(models, seed, summary) -> Outcome:
     """:func:`round_trip_prompt_cache` for each ``(model_type, model)`` in ``models``; the first
     problem fails the outcome, otherwise ``summary`` with one detail line per family."""
