@@ -103,6 +103,24 @@ def test_prompts_of_one_and_two_tokens_beside_longer_ones_equal_each_alone(model
     assert short_prompts_beside_longer(build_tiny_model(model_type, seed=1), model_type) is None
 
 
+@pytest.mark.parametrize("model_type", [DENSE_MODEL_TYPE] + available_model_types())
+def test_a_finished_rows_cache_continues_as_the_whole_sequence(model_type):
+    """The cache ``BatchGenerator`` hands back for a finished row (the server's next turn,
+    ``batch_generate``'s caches), continued by a single sequence, equals greedy decoding of the
+    whole sequence; prompts of 1 and 5 tokens, alone in their batch (``batch-window-extract``:
+    before 0.30.4 a window without left padding came back with its unused buffer)."""
+    from mlx_lm_patches.selftest.scenarios import _batched_one
+
+    model = build_tiny_model(model_type, seed=1)
+    more = prompt_tokens(3, seed=77)
+    for n in (1, 5):
+        prompt = prompt_tokens(n, seed=n + 30)
+        first, cache = _batched_one(model, prompt, None, 3, 2048)
+        got = greedy(model, more, max_tokens=3, prompt_cache=cache)
+        problem = greedy(model, prompt + first.tokens + more, max_tokens=3).compare(got)
+        assert problem is None, f"{n}-token prompt: {problem}"
+
+
 @pytest.mark.parametrize("model_type", available_model_types())
 def test_a_zero_state_computes_what_no_state_does_except_where_the_patch_knows(model_type):
     """mlx-lm fills a new row's empty recurrent slots with zeros when it batches it beside rows
