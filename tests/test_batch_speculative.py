@@ -88,6 +88,18 @@ def test_rows_of_different_lengths_each_equal_greedy_alone(model_type):
         assert steps < plain, f"its rows took {steps} steps for 14 tokens each: the draft was not used"
 
 
+@pytest.mark.family_sweep(HYBRIDS)
+@pytest.mark.parametrize("model_type", HYBRIDS + [DENSE_MODEL_TYPE])
+def test_rows_of_one_token_each_equal_greedy_alone(model_type):
+    """Every row's prompt is one token (longcat_flash_ngram's n-gram context then grows in the
+    first verify pass, so a row going back is narrower than one that kept every token)."""
+    model, draft = _models(model_type, scale=0.05)  # some rows reject in the first round, some not
+    prompts = [prompt_tokens(1, seed=s) for s in (11, 12, 13, 14)]
+    with forced([3]):  # the first round's rows go back to different widths
+        got, _ = batched_speculative(model, draft, prompts, max_tokens=8, num_draft_tokens=3)
+    _assert_rows_equal_greedy(model, prompts, got, 8)
+
+
 @pytest.mark.parametrize("model_type", [HYBRID, DENSE_MODEL_TYPE])
 @pytest.mark.parametrize("scale", [0.0, 0.05])
 def test_drafts_always_or_rarely_accepted(model_type, scale):

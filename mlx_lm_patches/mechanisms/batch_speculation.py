@@ -117,7 +117,7 @@ def rewind_rows(caches, width: int, keep: List[int], states=None) -> None:
     ``j`` of the ``width`` tokens (from :func:`_states`), for every ``j`` some row keeps."""
     import mlx.core as mx
 
-    from mlx_lm_patches.mechanisms.caches import flat_caches
+    from mlx_lm_patches.mechanisms.caches import flat_caches, widened_token_ids
 
     drop = [width - n for n in keep]
     if not any(drop):
@@ -131,7 +131,9 @@ def rewind_rows(caches, width: int, keep: List[int], states=None) -> None:
                 # without stays as the pass left it); rows that keep every token stay as they are
                 sources = [current if n == width or saved[n][slot] is None else saved[n][slot] for n in keep]
                 if current is not None and any(s is not current for s in sources):
-                    now[slot] = mx.concatenate([s[i:i + 1] for i, s in enumerate(sources)], axis=0)
+                    # an n-gram context grows in the pass: a row going back may be narrower
+                    rows = widened_token_ids([s[i:i + 1] for i, s in enumerate(sources)])
+                    now[slot] = mx.concatenate(rows, axis=0)
             c.cache, c.left_padding = now[:-1], now[-1]  # models that ``advance`` moved it
             continue
         if _is_window(c):

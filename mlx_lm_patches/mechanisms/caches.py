@@ -65,6 +65,28 @@ def arrays(value):
             yield from arrays(item)
 
 
+def _token_ids(value) -> bool:
+    import mlx.core as mx
+
+    return isinstance(value, mx.array) and value.ndim == 2 and mx.issubdtype(value.dtype, mx.integer)
+
+
+def widened_token_ids(values) -> list:
+    """``values`` (one slot's arrays, ``None`` for a row without one), each 2-D array of token
+    ids narrower than the widest padded on the left with id 0; anything else unchanged. The only
+    such slot in mlx-lm is longcat_flash_ngram's n-gram context, the last ``min(seen, n - 1)``
+    ids of a row, which reads id 0 before a sequence's start: padded, it computes the same."""
+    import mlx.core as mx
+
+    present = [v for v in values if v is not None]
+    if len(present) < 2 or not all(_token_ids(v) for v in present):
+        return list(values)
+    width = max(v.shape[1] for v in present)
+    return [v if v is None or v.shape[1] == width
+            else mx.concatenate([mx.zeros((v.shape[0], width - v.shape[1]), dtype=v.dtype), v], axis=1)
+            for v in values]
+
+
 def int_offset(cache) -> Optional[int]:
     """A cache's ``offset`` when it is one number for every row (single sequence, or a batch
     cache that keeps a scalar), else ``None`` (per-row ``mx.array`` offsets, no offset at all)."""

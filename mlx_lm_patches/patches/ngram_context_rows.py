@@ -32,26 +32,14 @@ from mlx_lm_patches.engine.contract import Outcome
 CACHE = "mlx_lm.models.cache"
 
 
-def _ids(slot) -> bool:
-    import mlx.core as mx
-
-    return isinstance(slot, mx.array) and slot.ndim == 2 and mx.issubdtype(slot.dtype, mx.integer)
-
-
 def pad_contexts(caches) -> None:
     """Left-pad with zeros, in place, every token-id slot of ``caches`` (``ArraysCache``
     instances) narrower than the same slot of another of them: the widths then agree."""
-    import mlx.core as mx
+    from mlx_lm_patches.mechanisms.caches import widened_token_ids
 
     for e in range(min(len(c.cache) for c in caches)):
-        slots = [c.cache[e] for c in caches if c.cache[e] is not None]
-        if not slots or not all(_ids(s) for s in slots):
-            continue
-        width = max(s.shape[1] for s in slots)
-        for c in caches:
-            s = c.cache[e]
-            if s is not None and s.shape[1] < width:
-                c.cache[e] = mx.concatenate([mx.zeros((s.shape[0], width - s.shape[1]), dtype=s.dtype), s], axis=1)
+        for c, slot in zip(caches, widened_token_ids([c.cache[e] for c in caches])):
+            c.cache[e] = slot
 
 
 def _merge(wrapped, instance, args, kwargs):
