@@ -158,11 +158,14 @@ def _move_right(c, extra: List[int]) -> None:
     values move right by as much and its left padding grows by as much."""
     import mlx.core as mx
 
-    end = c._idx
+    B, H, S, D = c.keys.shape
     shift = mx.array(extra)
-    source = mx.maximum(mx.arange(end)[None, :] - shift[:, None], 0)[:, None, :, None]
-    c.keys[..., :end, :] = mx.take_along_axis(c.keys[..., :end, :], source, axis=2)
-    c.values[..., :end, :] = mx.take_along_axis(c.values[..., :end, :], source, axis=2)
+    position = mx.arange(S)[None, :]
+    source = mx.where(position < c._idx, mx.maximum(position - shift[:, None], 0), position)  # (B, S)
+    # whole vectors of D taken by row number: on the CPU a quarter of an element-wise gather's time
+    rows = (mx.arange(B * H).reshape(B, H, 1) * S + source[:, None, :]).reshape(-1)
+    c.keys = c.keys.reshape(-1, D)[rows].reshape(B, H, S, D)
+    c.values = c.values.reshape(-1, c.values.shape[-1])[rows].reshape(c.values.shape)
     c.left_padding = c.left_padding + shift
     c.offset = c.offset - shift
 
