@@ -103,6 +103,39 @@ def test_prompts_of_one_and_two_tokens_beside_longer_ones_equal_each_alone(model
     assert short_prompts_beside_longer(build_tiny_model(model_type, seed=1), model_type) is None
 
 
+@pytest.mark.parametrize("cache_class", ["KVCache", "RotatingKVCache"])
+def test_new_rows_joining_a_prompt_in_its_prefill_get_a_row_of_keys_each(cache_class):
+    """Prompts joining one still in its prefill (``PromptProcessingBatch.extend``, 0.31.2 and
+    later): an attention cache that holds nothing yet gets one row of keys and values per new
+    sequence, and the row already there keeps its own (0.31.2 gave the new side the other side's
+    row count: ``prompt-batch-join-state``), for one new row beside two and two beside one."""
+    import sys
+
+    import mlx.core as mx
+    import mlx_lm.models.cache as cache
+
+    generate = sys.modules["mlx_lm.generate"]
+    if not hasattr(generate, "PromptProcessingBatch"):
+        pytest.skip("this mlx-lm prefills each new prompt in a batch of its own")
+    make = (lambda: cache.KVCache()) if cache_class == "KVCache" else (lambda: cache.RotatingKVCache(8))
+
+    def held(value):
+        c = make()
+        c.update_and_fetch(mx.full((1, 1, 2, 4), value), mx.full((1, 1, 2, 4), value))
+        return [c]
+
+    for present, joining in ((1, 2), (2, 1)):
+        batch = generate.PromptProcessingBatch(None, list(range(present)), [held(i + 1) for i in range(present)])
+        batch.extend(generate.PromptProcessingBatch(None, list(range(present, present + joining)),
+                                                    [[make()] for _ in range(joining)]))
+        c = batch.prompt_cache[0]
+        mx.eval(c.keys, c.values)
+        assert c.keys.shape[0] == c.values.shape[0] == present + joining, (present, joining, c.keys.shape)
+        for i in range(present):  # the rows with history keep their keys, right-aligned
+            assert c.keys[i, 0, -2:].tolist() == [[float(i + 1)] * 4] * 2
+        assert not mx.any(c.keys[present:]).item() and not mx.any(c.values[present:]).item()
+
+
 @pytest.mark.parametrize("model_type", [DENSE_MODEL_TYPE] + available_model_types())
 def test_a_finished_rows_cache_continues_as_the_whole_sequence(model_type):
     """The cache ``BatchGenerator`` hands back for a finished row (the server's next turn,

@@ -1,19 +1,26 @@
-"""mlx-lm 0.31.2: a hybrid prompt inserted while another is still prefilled gets a state row.
+"""mlx-lm 0.31.2: a prompt inserted while another is still prefilled gets its own rows of state.
 
 Bug
     From 0.31.2 a prompt inserted while another row of ``BatchGenerator`` is still in its prompt
     (prompts longer than ``prefill_step_size``, 2048 by default; a server with a long request in
-    progress) joins that row's ``PromptProcessingBatch`` through ``extend``. In 0.31.2
-    ``ArraysCache.extend`` keeps the other side's slot when one side has none, so the new row,
-    which has processed nothing, gets no row of recurrent state: the next prompt pass crashes
-    (``[concatenate] ... shapes are (1,3,128), (2,16,128)``) for every hybrid family.
+    progress) joins that row's ``PromptProcessingBatch`` through ``extend``. In 0.31.2 that join
+    miscounts rows for a side that has processed nothing:
+
+    * ``ArraysCache.extend`` keeps the other side's slot when one side has none, so the new row
+      gets no row of recurrent state: the next prompt pass crashes (``[concatenate] ... shapes
+      are (1,3,128), (2,16,128)``) for every hybrid family;
+    * ``BatchKVCache.extend`` and ``BatchRotatingKVCache.extend`` give a side without keys the
+      other side's row count: two prompts joining one give two rows of keys for three sequences
+      (any model). Rows then read keys that are not theirs, or memory past the array (measured:
+      recurrent_gemma's one-token prompt decoded NaN in about one run in five).
 
 Fix
     Before ``PromptProcessingBatch.extend``, a recurrent slot that one side has and the other has
     not is given zeros for the other side's rows (that side's row count is its number of
-    sequences): what ``ArraysCache.extend`` does from 0.31.3. A zero state computes what an
-    empty one does for every family but recurrent_gemma, which ``batch-fresh-row-state``
-    prefills from an empty state.
+    sequences), and an attention cache without keys gets keys and values of no positions for its
+    own rows: what ``extend`` does from 0.31.3. A zero state computes what an empty one does for
+    every family but recurrent_gemma, which ``batch-fresh-row-state`` prefills from an empty
+    state.
 
 Retire
     When 0.31.2 drops out of the supported range.
@@ -31,7 +38,9 @@ CACHE = "mlx_lm.models.cache"
 
 
 def _fill_missing(ours, our_rows, theirs, their_rows) -> None:
-    """Zeros for each recurrent slot one side lacks, shaped as the other side's, for its rows."""
+    """Zeros for each recurrent slot one side lacks, shaped as the other side's, for its rows;
+    and an attention cache that holds nothing yet gets keys and values of no positions for its
+    own rows (0.31.2's ``extend`` would give it the other side's row count)."""
     import mlx.core as mx
 
     from mlx_lm_patches.mechanisms.caches import flat_caches
@@ -39,6 +48,12 @@ def _fill_missing(ours, our_rows, theirs, their_rows) -> None:
     arrays_cache = sys.modules[CACHE].ArraysCache
     for a, b in zip(flat_caches(ours), flat_caches(theirs)):
         if not (isinstance(a, arrays_cache) and isinstance(b, arrays_cache)):
+            for empty, rows, full in ((a, our_rows, b), (b, their_rows, a)):
+                if (getattr(empty, "keys", 0) is None and isinstance(getattr(full, "keys", None), mx.array)
+                        and isinstance(getattr(full, "values", None), mx.array)):
+                    k, v = full.keys, full.values
+                    empty.keys = mx.zeros((rows, k.shape[1], 0, k.shape[3]), k.dtype)
+                    empty.values = mx.zeros((rows, v.shape[1], 0, v.shape[3]), v.dtype)
             continue
         for slot, (x, y) in enumerate(zip(a.cache, b.cache)):
             if x is None and isinstance(y, mx.array):
@@ -68,6 +83,14 @@ def probe():
     if rows != 2:
         return (f"a PromptProcessingBatch of a row with recurrent state extended by a new row holds "
                 f"{rows} row(s) of state for 2 sequences")
+    keys = cache.KVCache()
+    keys.update_and_fetch(mx.zeros((1, 1, 1, 1)), mx.zeros((1, 1, 1, 1)))
+    batch = gen.PromptProcessingBatch(None, [0], [[keys]])
+    batch.extend(gen.PromptProcessingBatch(None, [1, 2], [[cache.KVCache()], [cache.KVCache()]]))
+    rows = batch.prompt_cache[0].keys.shape[0]
+    if rows != 3:
+        return (f"a PromptProcessingBatch of a row with keys extended by two new rows holds "
+                f"{rows} row(s) of keys for 3 sequences")
     return None
 
 
