@@ -99,21 +99,29 @@ def apply(p):
 
 
 def scenario():
-    """Hybrid families in BatchGenerator: a prompt inserted while another is still prefilled,
-    each row equal to decoding it alone."""
+    """Prompts inserted while others are still prefilled, for a dense model and hybrid families:
+    one beside one, two prefilled with one joining, one prefilled with two joining; each row
+    equal to decoding it alone."""
     from mlx_lm_patches.selftest.scenarios import first_problem, greedy, staggered_greedy
-    from mlx_lm_patches.selftest.tiny_models import available_model_types, build_tiny_model
+    from mlx_lm_patches.selftest.tiny_models import DENSE_MODEL_TYPE, available_model_types, build_tiny_model
     from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
 
     if not hasattr(sys.modules[GENERATE], "PromptProcessingBatch"):
         return Outcome.not_applicable("this mlx-lm prefills each new prompt in a batch of its own")
     details = []
-    long, short = prompt_tokens(40, seed=40), prompt_tokens(9, seed=9)
-    for model_type in [t for t in ("qwen3_5", "nemotron_h", "mamba") if t in available_model_types()]:
+    long, other, short, shorter = (prompt_tokens(n, seed=n) for n in (40, 37, 9, 5))
+    joins = {"one joining one": ([long, short], (0, 1)),
+             "one joining two": ([long, other, short], (0, 0, 1)),
+             "two joining one": ([long, short, shorter], (0, 1, 1))}
+    for model_type in [t for t in (DENSE_MODEL_TYPE, "qwen3_5", "nemotron_h", "mamba")
+                       if t == DENSE_MODEL_TYPE or t in available_model_types()]:
         model = build_tiny_model(model_type, seed=1)
-        problem = first_problem(model_type, {"inserted while another prompt is prefilled": (
-            lambda: staggered_greedy(model, [long, short], (0, 1)), [greedy(model, long), greedy(model, short)])})
+        problem = first_problem(model_type, {
+            f"inserted while another prompt is prefilled ({name})": (
+                lambda prompts=prompts, at=at: staggered_greedy(model, prompts, at),
+                [greedy(model, p) for p in prompts])
+            for name, (prompts, at) in joins.items()})
         if problem:
             return Outcome.failure(problem)
-        details.append(f"{model_type}: a prompt joining one in its prefill, both exact")
-    return Outcome(True, "a prompt inserted while another is prefilled decodes as alone", details)
+        details.append(f"{model_type}: prompts joining others in their prefill (1 to 1, 1 to 2, 2 to 1), all exact")
+    return Outcome(True, "prompts inserted while others are prefilled decode as alone", details)
