@@ -136,6 +136,40 @@ def test_new_rows_joining_a_prompt_in_its_prefill_get_a_row_of_keys_each(cache_c
         assert not mx.any(c.keys[present:]).item() and not mx.any(c.values[present:]).item()
 
 
+@pytest.mark.parametrize("cache_class", ["BatchKVCache", "BatchRotatingKVCache"])
+def test_an_engine_extending_batch_caches_gets_a_row_of_keys_per_sequence(cache_class, mlx_lm_version):
+    """An engine joining rows by calling a batch attention cache's own ``extend``, with one side
+    that holds nothing yet (on either side): the result has one row of keys per sequence, the
+    rows with history keep theirs, and the new rows hold nothing but zeros (0.31.2 gave the empty
+    side the other side's row count: ``prompt-batch-join-state``). Before 0.31.2 mlx-lm itself
+    never extends with an empty side, and its ``extend`` refuses one (an AttributeError)."""
+    import mlx.core as mx
+    import mlx_lm.models.cache as cache
+    from packaging.version import Version
+
+    if mlx_lm_version is not None and mlx_lm_version < Version("0.31.2"):
+        pytest.skip("before 0.31.2 a batch cache's extend refuses a side without keys")
+    cls = getattr(cache, cache_class)
+    make = (lambda rows: cls([0] * rows)) if cache_class == "BatchKVCache" else (lambda rows: cls(8, [0] * rows))
+    for present, joining in ((1, 2), (2, 1)):
+        for held_first in (True, False):
+            held, empty = make(present), make(joining)
+            values = mx.arange(1, present + 1, dtype=mx.float32)[:, None, None, None] * mx.ones((present, 1, 2, 4))
+            held.update_and_fetch(values, values)
+            target = held if held_first else empty
+            target.extend(empty if held_first else held)
+            keys, values, offset = target.keys, target.values, target.offset
+            mx.eval(keys, values)
+            rows = list(range(present)) if held_first else list(range(joining, joining + present))
+            assert keys.shape[0] == values.shape[0] == offset.shape[0] == present + joining, (
+                present, joining, held_first, keys.shape)
+            for n, i in enumerate(rows):  # its two positions, wherever the buffer holds them
+                written = [p for p in keys[i, 0, :, 0].tolist() if p != 0]
+                assert written == [float(n + 1)] * 2, (present, joining, held_first, i, written)
+            new = [i for i in range(present + joining) if i not in rows]
+            assert not mx.any(keys[mx.array(new)]).item() and not mx.any(values[mx.array(new)]).item()
+
+
 @pytest.mark.parametrize("model_type", [DENSE_MODEL_TYPE] + available_model_types())
 def test_a_finished_rows_cache_continues_as_the_whole_sequence(model_type):
     """The cache ``BatchGenerator`` hands back for a finished row (the server's next turn,

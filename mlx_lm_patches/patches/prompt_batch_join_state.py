@@ -15,11 +15,13 @@ Bug
       recurrent_gemma's one-token prompt decoded NaN in about one run in five).
 
 Fix
-    Before ``PromptProcessingBatch.extend``, a recurrent slot that one side has and the other has
-    not is given zeros for the other side's rows (that side's row count is its number of
-    sequences), and an attention cache without keys gets keys and values of no positions for its
-    own rows: what ``extend`` does from 0.31.3. A zero state computes what an empty one does for
-    every family but recurrent_gemma, which ``batch-fresh-row-state`` prefills from an empty
+    ``BatchKVCache.extend`` and ``BatchRotatingKVCache.extend`` first give a side without keys
+    keys and values of no positions for its own rows (its ``offset`` has one entry per row), so
+    an engine extending batch caches itself is covered too. Before ``PromptProcessingBatch.extend``
+    (the only place that knows how many sequences an empty recurrent slot stands for), a
+    recurrent slot that one side has and the other has not is given zeros for the other side's
+    rows. Both are what ``extend`` does from 0.31.3. A zero state computes what an empty one does
+    for every family but recurrent_gemma, which ``batch-fresh-row-state`` prefills from an empty
     state.
 
 Retire
@@ -38,22 +40,14 @@ CACHE = "mlx_lm.models.cache"
 
 
 def _fill_missing(ours, our_rows, theirs, their_rows) -> None:
-    """Zeros for each recurrent slot one side lacks, shaped as the other side's, for its rows;
-    and an attention cache that holds nothing yet gets keys and values of no positions for its
-    own rows (0.31.2's ``extend`` would give it the other side's row count)."""
+    """Zeros for each recurrent slot one side lacks, shaped as the other side's, for its rows."""
     import mlx.core as mx
 
-    from mlx_lm_patches.mechanisms.caches import flat_caches
+    from mlx_lm_patches.mechanisms.caches import arrays_cache_class, flat_caches
 
-    arrays_cache = sys.modules[CACHE].ArraysCache
+    arrays_cache = arrays_cache_class()
     for a, b in zip(flat_caches(ours), flat_caches(theirs)):
         if not (isinstance(a, arrays_cache) and isinstance(b, arrays_cache)):
-            for empty, rows, full in ((a, our_rows, b), (b, their_rows, a)):
-                if (getattr(empty, "keys", 0) is None and isinstance(getattr(full, "keys", None), mx.array)
-                        and isinstance(getattr(full, "values", None), mx.array)):
-                    k, v = full.keys, full.values
-                    empty.keys = mx.zeros((rows, k.shape[1], 0, k.shape[3]), k.dtype)
-                    empty.values = mx.zeros((rows, v.shape[1], 0, v.shape[3]), v.dtype)
             continue
         for slot, (x, y) in enumerate(zip(a.cache, b.cache)):
             if x is None and isinstance(y, mx.array):
@@ -66,6 +60,20 @@ def _extend(wrapped, instance, args, kwargs):
     batch = args[0] if args else kwargs["batch"]
     if instance.prompt_cache and batch.prompt_cache and instance.uids and batch.uids:
         _fill_missing(instance.prompt_cache, len(instance.uids), batch.prompt_cache, len(batch.uids))
+    return wrapped(*args, **kwargs)
+
+
+def _extend_keys(wrapped, instance, args, kwargs):
+    """A side of a batch attention cache's ``extend`` that holds no keys yet gets keys and values
+    of no positions, one row per entry of its ``offset``, shaped as the other side's."""
+    import mlx.core as mx
+
+    other = args[0] if args else kwargs["other"]
+    for empty, full in ((instance, other), (other, instance)):
+        if empty.keys is None and full.keys is not None:
+            rows, k, v = empty.offset.shape[0], full.keys, full.values
+            empty.keys = mx.zeros((rows, k.shape[1], 0, k.shape[3]), k.dtype)
+            empty.values = mx.zeros((rows, v.shape[1], 0, v.shape[3]), v.dtype)
     return wrapped(*args, **kwargs)
 
 
@@ -83,19 +91,20 @@ def probe():
     if rows != 2:
         return (f"a PromptProcessingBatch of a row with recurrent state extended by a new row holds "
                 f"{rows} row(s) of state for 2 sequences")
-    keys = cache.KVCache()
+    keys = cache.BatchKVCache([0])
     keys.update_and_fetch(mx.zeros((1, 1, 1, 1)), mx.zeros((1, 1, 1, 1)))
-    batch = gen.PromptProcessingBatch(None, [0], [[keys]])
-    batch.extend(gen.PromptProcessingBatch(None, [1, 2], [[cache.KVCache()], [cache.KVCache()]]))
-    rows = batch.prompt_cache[0].keys.shape[0]
+    keys.extend(cache.BatchKVCache([0, 0]))
+    rows = keys.keys.shape[0]
     if rows != 3:
-        return (f"a PromptProcessingBatch of a row with keys extended by two new rows holds "
+        return (f"a BatchKVCache of a row with keys extended by two new rows holds "
                 f"{rows} row(s) of keys for 3 sequences")
     return None
 
 
 def apply(p):
     p.wrap(f"{GENERATE}:PromptProcessingBatch.extend", _extend)
+    p.wrap(f"{CACHE}:BatchKVCache.extend", _extend_keys)
+    p.wrap(f"{CACHE}:BatchRotatingKVCache.extend", _extend_keys)
 
 
 def scenario():
