@@ -3,7 +3,7 @@ greedy decoding and against speculative requests served one at a time (what ``ml
 --draft-model`` did).
 
     python benchmarks/batch_speculation.py [--rows 4 8] [--accept 0 0.8] [--tokens 48] [--repeats 3]
-        [--family qwen3_5] [--k 3] [--draft model|mtp]
+        [--family qwen3_5] [--k 3] [--draft model|mtp] [--prompt 20] [--moving-rows]
 
 Models with real proportions (``benchmarks/speculation_costs.py``'s ``proportions``): the main
 model 24 layers of width 256 with an 8192-token vocabulary; the draft (``--draft model``) the
@@ -136,6 +136,19 @@ def going_back(run, *args):
         batch_speculation.StepStates = recorder
 
 
+def moving_rows(run, *args):
+    """``run(*args)`` with attention rows that drop more rejected positions than others moved right
+    by the difference every round (before 7 December), not kept in place, masked."""
+    from mlx_lm_patches.mechanisms import batch_speculation, kv_gaps
+
+    in_place = kv_gaps.drop_newest
+    kv_gaps.drop_newest = lambda c, extra: batch_speculation._move_right(c, extra) if any(extra) else None
+    try:
+        return run(*args)
+    finally:
+        kv_gaps.drop_newest = in_place
+
+
 def one_at_a_time(model, draft, prompts, tokens, k, sequences, hinted):
     """Each request through ``speculative_generate_step`` after the previous one; ``draft``: a
     ``Hinted`` draft model, or ``"mtp"`` (the model's head, hinted as ``support/mtp_drafts`` does)."""
@@ -171,6 +184,11 @@ def main():
     parser.add_argument("--going-back", action="store_true",
                         help="also batched spec with hybrid rows going back to the round's start on a "
                              "rejection (no step states: before 6 December), side by side")
+    parser.add_argument("--moving-rows", action="store_true",
+                        help="also batched spec with attention rows moved right every round to drop "
+                             "rejected positions (before 7 December), side by side")
+    parser.add_argument("--prompt", type=int, default=20,
+                        help="the first prompt's length; each next one is 7 tokens longer")
     args = parser.parse_args()
 
     import mlx_lm_patches
@@ -208,16 +226,17 @@ def main():
     print(f"{args.family}: main {describe(main_shape)}; {drafting}; k = {args.k}, {args.tokens} tokens a request")
     print(f"{'rows':>4} {'accept':>6} | {'greedy tok/s':>12} {'batched spec':>12} {'one at a time':>13} | "
           f"{'spec/greedy':>11} {'spec/one-at-a-time':>18} | {'decoding: spec/greedy':>21} | exact"
-          + (" | spec/going back" if args.going_back else ""))
+          + (" | spec/going back" if args.going_back else "")
+          + (" | spec/moving rows (decoding)" if args.moving_rows else ""))
     for rows in args.rows:
-        prompts = [prompt_tokens(20 + 7 * i, vocab=args.vocab, seed=i + 1) for i in range(rows)]
+        prompts = [prompt_tokens(args.prompt + 7 * i, vocab=args.vocab, seed=i + 1) for i in range(rows)]
         reference = greedy_batch(model, prompts, args.tokens)
         sequences = [p + r for p, r in zip(prompts, reference)]
         for share in args.accept:
             hinted = hint(share)
             single = single_draft or Hinted(batch_draft, sequences, hinted)
-            best = {"greedy": 1e9, "spec": 1e9, "single": 1e9, "back": 1e9}
-            decoding = {"greedy": 1e9, "spec": 1e9}  # after every row's first token (prefill excluded)
+            best = {"greedy": 1e9, "spec": 1e9, "single": 1e9, "back": 1e9, "moving": 1e9}
+            decoding = {"greedy": 1e9, "spec": 1e9, "moving": 1e9}  # after every row's first token
             timing = {}
             exact = True
             for _ in range(args.repeats):
@@ -227,8 +246,10 @@ def main():
                                   ("single", lambda: one_at_a_time(model, single, prompts, args.tokens, args.k,
                                                                    sequences, hinted)),
                                   ("back", lambda: going_back(spec_batch, model, batch_draft, prompts, args.tokens,
-                                                              args.k, sequences, hinted))):
-                    if name == "back" and not args.going_back:
+                                                              args.k, sequences, hinted)),
+                                  ("moving", lambda: moving_rows(spec_batch, model, batch_draft, prompts, args.tokens,
+                                                                 args.k, sequences, hinted, timing))):
+                    if (name == "back" and not args.going_back) or (name == "moving" and not args.moving_rows):
                         continue
                     start = time.perf_counter()
                     got = run()
@@ -241,7 +262,9 @@ def main():
             print(f"{rows:>4} {share:>6.0%} | {rate['greedy']:>12.1f} {rate['spec']:>12.1f} {rate['single']:>13.1f} | "
                   f"{rate['spec'] / rate['greedy']:>10.2f}x {rate['spec'] / rate['single']:>17.2f}x | "
                   f"{decoding['greedy'] / decoding['spec']:>20.2f}x | {exact}"
-                  + (f" | {rate['spec'] / rate['back']:.2f}x" if args.going_back else ""), flush=True)
+                  + (f" | {rate['spec'] / rate['back']:.2f}x" if args.going_back else "")
+                  + (f" | {rate['spec'] / rate['moving']:.2f}x ({decoding['moving'] / decoding['spec']:.2f}x)"
+                     if args.moving_rows else ""), flush=True)
     mx.clear_cache()
 
 

@@ -18,9 +18,12 @@ A round, for a batch of ``B`` rows and ``k`` draft tokens (``W = k + 1``):
   Each row's sampler picks a token at every position; a row accepts its drafts while they equal
   what the main model picked, and gains one more token (the pick after the last accepted draft).
 * **Rows go back on their own.** Attention caches (``BatchKVCache``) drop each row's rejected
-  positions: every row by the fewest dropped, then a row with more to drop is moved right inside
-  the cache by the rest, and its left padding grows by as much, so the masks and positions mlx-lm
-  computes from ``left_padding`` and ``offset`` leave them out, exactly as for a shorter prompt.
+  positions: every row by the fewest dropped (a trim), then a row with more to drop keeps them in
+  place, masked (``mechanisms/kv_gaps.py``): its ``offset`` counts only what it kept, so rotary
+  positions are those of the row alone, and its mask leaves the dropped positions out. Moving the
+  row's history right instead (its left padding growing) would read and write each layer's whole
+  cache every round; the gaps are compacted that way only when rows leave or join, a row is
+  handed out, or a row's gaps pass an eighth of the positions.
   Recurrent caches (``ArraysCache``) take each row's state from the call after which it is the
   right one: the draft's states are kept after each of its single-token calls, so every row's is
   exact. The main model's gated-delta and Mamba-2 layers give their states after each token of
@@ -46,6 +49,7 @@ says so before a generator starts speculating.
 import contextlib
 from typing import List, Optional
 
+from mlx_lm_patches.mechanisms import kv_gaps
 from mlx_lm_patches.mechanisms.step_states import StepStates
 
 CACHE = "mlx_lm.models.cache"
@@ -148,24 +152,20 @@ def rewind_rows(caches, width: int, keep: List[int], states=None) -> None:
         least = min(drop)
         if least:
             c.trim(least)
-        extra = [d - least for d in drop]
-        if any(extra):
-            _move_right(c, extra)
+        # a row dropping more keeps them in place, masked (``kv_gaps``): moving its history right
+        # would read and write the layer's whole cache every round
+        kv_gaps.drop_newest(c, [d - least for d in drop])
+    kv_gaps.compact_sparse(flat_caches(caches))
 
 
 def _move_right(c, extra: List[int]) -> None:
-    """Drop ``extra[i]`` newest positions of row ``i`` of a ``BatchKVCache``: the row's keys and
+    """Drop ``extra[i]`` newest positions of row ``i`` of a batch window: the row's keys and
     values move right by as much and its left padding grows by as much."""
     import mlx.core as mx
 
-    B, H, S, D = c.keys.shape
     shift = mx.array(extra)
-    position = mx.arange(S)[None, :]
-    source = mx.where(position < c._idx, mx.maximum(position - shift[:, None], 0), position)  # (B, S)
-    # whole vectors of D taken by row number: on the CPU a quarter of an element-wise gather's time
-    rows = (mx.arange(B * H).reshape(B, H, 1) * S + source[:, None, :]).reshape(-1)
-    c.keys = c.keys.reshape(-1, D)[rows].reshape(B, H, S, D)
-    c.values = c.values.reshape(-1, c.values.shape[-1])[rows].reshape(c.values.shape)
+    position = mx.arange(c.keys.shape[2])[None, :]
+    kv_gaps.gather_positions(c, mx.where(position < c._idx, mx.maximum(position - shift[:, None], 0), position))
     c.left_padding = c.left_padding + shift
     c.offset = c.offset - shift
 

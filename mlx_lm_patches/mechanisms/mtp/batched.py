@@ -99,7 +99,10 @@ def _add_empty_rows(caches, n: int) -> None:
     Not ``BatchKVCache.extend`` with empty caches, which 0.31.x sizes by the other cache."""
     import mlx.core as mx
 
+    from mlx_lm_patches.mechanisms.kv_gaps import compact
+
     for c in caches:
+        compact(c)  # rows of positions it dropped in place move right first
         if c.keys is not None:
             _, H, L, _ = c.keys.shape
             c.keys = mx.concatenate([c.keys, mx.zeros((n, H, L, c.keys.shape[3]), dtype=c.keys.dtype)])
