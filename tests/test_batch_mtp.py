@@ -13,6 +13,7 @@ positions; heads whose caches cannot be batched leave the generator decoding pla
 """
 
 import importlib.util
+import json
 import re
 import sys
 
@@ -51,7 +52,14 @@ def loaded(tmp_path_factory):
 
     def get(family):
         if family not in cache:
-            cache[family] = load(str(write_mtp_checkpoint(root, family, dtype="float32").folder))[0]
+            written = write_mtp_checkpoint(root, family.split(":")[0], dtype="float32", name=family.replace(":", "-"))
+            if family.endswith(":sliding"):  # its MTP layer slides over a window shorter than the rows
+                config = json.loads((written.folder / "config.json").read_text())
+                config.update(mtp_layer_types=["sliding_attention"], sliding_window=4)
+                (written.folder / "config.json").write_text(json.dumps(config))
+            cache[family] = load(str(written.folder))[0]
+            if family.endswith(":sliding"):
+                assert cache[family].mtp.layers[0].is_sliding_window, cache[family].mtp_status
         return cache[family]
 
     return get
@@ -134,12 +142,14 @@ def test_an_unhinted_head_changes_no_answer(loaded):
     _assert_rows_equal_greedy(model, PROMPTS, got, TOKENS)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + [f + ":sliding" for f in _present("exaone_moe")])
 def test_the_heads_logits_are_a_single_sequence_pass_over_each_rows_positions(loaded, family):
     """Every batched head pass (drafting rounds, and catch-ups over a row's prompt or after
     rounds without drafts), at each row's last fed slot: the logits of the head run alone over
     that row's pairs (main hidden state at t, token at t + 1) from the start of its prompt, with
-    the hidden states of one forward pass of the main model over the row's whole sequence."""
+    the hidden states of one forward pass of the main model over the row's whole sequence. Also
+    a head whose layer slides (K-EXAONE's ``mtp_layer_types``) over a window of 4: its batched
+    mask is the batch cache's own, with each row's padding (a single sequence's crashed there)."""
     from mlx_lm_patches.mechanisms.mtp.decoding import family_of, make_mtp_cache, mtp_forward
 
     model = loaded(family)

@@ -112,3 +112,19 @@ def test_a_trim_over_gaps_counts_only_the_positions_kept():
     for i, row in enumerate(rows):
         out = c.extract(i)
         assert mx.array_equal(out.keys[..., :out.offset, :], row[0]).item(), i
+
+
+def test_a_cache_of_values_of_no_width_compacts():
+    """minimax_m3_vl's indexer caches keys with values of width 0: compacting moves its keys."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache
+
+    from mlx_lm_patches.mechanisms import kv_gaps
+
+    c = BatchKVCache([0, 0])
+    keys = _random(2, H, 4, D, seed=50)
+    c.update_and_fetch(keys, mx.zeros((2, H, 4, 0)))
+    kv_gaps.drop_newest(c, [1, 0])
+    out = c.extract(0)
+    assert out.offset == 3 and out.values.shape[-1] == 0
+    assert mx.array_equal(out.keys[..., :3, :], keys[0:1, :, :3]).item()

@@ -46,6 +46,7 @@ def _make_class(base):
         """A ``BatchKVCache`` whose rows may hold dropped positions (``gaps``, True where
         dropped; positions past its width hold none), left out of every mask."""
 
+        plain_class = base
         gaps = None
         gap_counts = None  # per row, on the host: how many positions it dropped in place
 
@@ -111,13 +112,19 @@ def _widened(gaps, width: int):
     return mx.concatenate([gaps, mx.zeros((gaps.shape[0], width - gaps.shape[1]), dtype=mx.bool_)], axis=1)
 
 
+def _gapped(c) -> bool:
+    return "plain_class" in vars(type(c))
+
+
 def drop_newest(c, extra: List[int]) -> None:
     """Row ``i`` of the ``BatchKVCache`` ``c`` drops its ``extra[i]`` newest positions, in place."""
     import mlx.core as mx
 
     if not any(extra):
         return
-    if type(c) is not gapped_class():
+    if c.keys is None or c._idx < max(extra):
+        raise RuntimeError(f"a batch cache of {c._idx} positions cannot drop {max(extra)} of them")
+    if not _gapped(c):
         c.__class__ = gapped_class()
         c.gaps, c.gap_counts = None, [0] * len(extra)
     width = c._idx
@@ -129,7 +136,7 @@ def drop_newest(c, extra: List[int]) -> None:
 
 def sparse(c) -> bool:
     """Whether a row of ``c`` has dropped more than :data:`MOST_GAPS` of the positions held."""
-    if type(c) is not gapped_class() or not c.gap_counts:
+    if not _gapped(c) or not c.gap_counts:
         return False
     return max(c.gap_counts) > max(_SMALLEST, MOST_GAPS * c._idx)
 
@@ -147,7 +154,7 @@ def compact(c) -> None:
     as many); ``c`` is a plain ``BatchKVCache`` again. Nothing to do for any other cache."""
     import mlx.core as mx
 
-    if type(c) is not gapped_class():
+    if not _gapped(c):
         return
     if c.gaps is not None and c.keys is not None and any(c.gap_counts):
         width = c._idx
@@ -165,7 +172,7 @@ def compact(c) -> None:
 
 
 def _plain(c) -> None:
-    c.__class__ = gapped_class().__mro__[1]
+    c.__class__ = type(c).plain_class
     for name in ("gaps", "gap_counts"):
         c.__dict__.pop(name, None)
 
@@ -175,8 +182,10 @@ def gather_positions(c, source) -> None:
     ``source[i, p]`` (``source``: (B, buffer))."""
     import mlx.core as mx
 
-    B, H, S, D = c.keys.shape
+    B, H, S, _ = c.keys.shape
     # whole vectors of D taken by row number: on the CPU a quarter of an element-wise gather's time
     rows = (mx.arange(B * H).reshape(B, H, 1) * S + source[:, None, :]).reshape(-1)
-    c.keys = c.keys.reshape(-1, D)[rows].reshape(B, H, S, D)
-    c.values = c.values.reshape(-1, c.values.shape[-1])[rows].reshape(c.values.shape)
+    for name in ("keys", "values"):
+        x = getattr(c, name)
+        if x.size:  # a cache of vectors of no width (minimax_m3_vl's indexer values) has nothing to move
+            setattr(c, name, x.reshape(-1, x.shape[-1])[rows].reshape(x.shape))

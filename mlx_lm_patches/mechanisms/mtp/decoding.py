@@ -397,8 +397,12 @@ def _mtp_pass(model, hidden, next_ids, cache, fusion=None, depth=0):
     if window is not None:  # sliding layers over a plain cache: the last ``window`` keys only
         from mlx_lm.models.base import create_causal_mask
 
-        start = positions_cache(cache[0]).offset if cache else 0
-        mask = create_causal_mask(z.shape[1], start, window_size=window)
+        held = positions_cache(cache[0]) if cache else None
+        if held is not None and isinstance(held.offset, mx.array):
+            # a batch cache (batched drafting): its mask also leaves out each row's padding
+            mask = held.make_mask(z.shape[1], window_size=window)
+        else:
+            mask = create_causal_mask(z.shape[1], held.offset if held is not None else 0, window_size=window)
     z = family.run_layers(head, z, mask, cache)
     out = family.head_norm(head)(z)
     return family.logits(model, out, head=head), out, z
