@@ -277,6 +277,21 @@ def _kv_quantization_forgotten():
     forget()
 
 
+@pytest.fixture(autouse=True)
+def _drafting_memory_forgotten():
+    """Adaptive drafting starts a sequence from what the last one with the same model and draft
+    left (mechanisms/adaptive.py): forget it around each test, so every test's first sequence
+    starts as a process's first does, whichever test ran before it."""
+    def forget():
+        adaptive = sys.modules.get("mlx_lm_patches.mechanisms.adaptive")
+        if adaptive is not None:
+            adaptive.forget()
+
+    forget()
+    yield
+    forget()
+
+
 @contextlib.contextmanager
 def reverted(*ids):
     """The given patches (every patch if none is given) reverted for a block (stock mlx-lm for

@@ -231,27 +231,36 @@ def _simulated_speed(draft, verify, acceptance, fixed=None, seed=0, tokens=192, 
     import random
 
     rng = random.Random(seed)
+    spent, _ = _simulated_sequence(rng, Controller(most, plain_start=True), draft, verify, acceptance, tokens,
+                                   fixed=fixed)
+    return tokens / spent
+
+
+def _simulated_sequence(rng, controller, draft, verify, acceptance, tokens, fixed=None, catch_up=None):
+    """(time, the draft lengths run) of one sequence on the costs of :func:`_simulated_speed`,
+    drawn from ``rng``; ``catch_up``: the draft's catch-up per missed token (default ``draft``)."""
     noise = lambda: rng.lognormvariate(0.0, 0.2)  # noqa: E731
-    controller = Controller(most, plain_start=True)
+    per_token = draft if catch_up is None else catch_up
     k = fixed if fixed is not None else controller.choose(tokens)
-    spent, produced, previous, lag, rejected = 0.0, 0, None, 0, False
+    spent, produced, previous, lag, rejected, chosen = 0.0, 0, None, 0, False, []
     while produced < tokens:
-        catch_up, kept = 0.0, 0
+        chosen.append(k)
+        caught, kept = 0.0, 0
         if k == 0:
             seconds = noise() + (2.0 if previous else 0.0)
             lag += 1
         else:
-            catch_up, lag = draft * lag * noise(), 0
+            caught, lag = per_token * lag * noise(), 0
             seconds = (draft * k + 1 + verify * k) * noise() + (1.0 if previous == 0 else 0.0)
             seconds += 0.5 * noise() if rejected else 0.0
             while kept < k and rng.random() < acceptance:
                 kept += 1
             rejected = kept < k
-        spent += seconds + catch_up
+        spent += seconds + caught
         produced += min(kept + 1, tokens - produced)
         if fixed is None:
             timed = previous is not None and not (k == 0 and previous)
-            controller.observe(k, kept, seconds if timed else None, catch_up, first=k > 0 and previous != k)
+            controller.observe(k, kept, seconds if timed else None, caught, first=k > 0 and previous != k)
             previous = k
             k = controller.choose(tokens - produced)
             if previous and not k:
@@ -260,7 +269,7 @@ def _simulated_speed(draft, verify, acceptance, fixed=None, seed=0, tokens=192, 
                 controller.rolled_back(rollback)
         else:
             previous, k = k, min(fixed, max(tokens - produced - 1, 0))
-    return tokens / spent
+    return spent, chosen
 
 
 @pytest.mark.parametrize("case, draft, verify, acceptance", [
@@ -429,3 +438,99 @@ def test_a_batch_round_weighs_as_one_round_of_every_row():
             plain_after_start += k == 0
     assert min(estimates) > 0.65 and max(estimates) < 0.92, (min(estimates), max(estimates))
     assert plain_after_start <= 2, plain_after_start
+
+
+def _simulated_sequences(draft, verify, acceptances, seed=0, tokens=128, catch_up=None):
+    """Sequences one after another on the synthetic costs of :func:`_simulated_speed`, each
+    starting from what the one before left (as sequences with the same model and draft do);
+    per sequence, (tokens per plain-step time, the draft lengths it ran). ``catch_up``: the
+    draft's catch-up per missed token (default ``draft``)."""
+    import random
+
+    rng = random.Random(seed)
+    memory, results = None, []
+    for acceptance in acceptances:
+        controller = Controller(3, plain_start=True, memory=memory)
+        spent, chosen = _simulated_sequence(rng, controller, draft, verify, acceptance, tokens, catch_up=catch_up)
+        memory = controller.memory()
+        results.append((tokens / spent, chosen))
+    return results
+
+
+def test_a_later_sequence_starts_from_the_measured_costs():
+    """Every draft accepted, cheap: the first sequence times plain rounds and rounds of one
+    draft before it drafts three; the ones after it draft from their first round."""
+    import statistics
+
+    seeds = [_simulated_sequences(0.1, 0.2, [1.0] * 3, seed=s) for s in range(9)]
+    for runs in seeds:
+        assert runs[0][1][:3] == [0, 0, 0], runs[0][1][:8]
+        for _, chosen in runs[1:]:
+            assert chosen[0] >= 2 and chosen[:4].count(0) == 0, chosen[:8]
+    first, later = (statistics.median(runs[i][0] for runs in seeds) for i in (0, 2))
+    assert later > first, (later, first)
+
+
+@pytest.mark.parametrize("case, draft, verify, acceptance, catch_up", [
+    ("never accepted, a costly catch-up", 0.3, 0.3, 0.0, 0.05),
+    ("as costly as the main model, all accepted", 1.0, 0.3, 1.0, 0.3),
+])
+def test_a_draft_given_up_is_not_tried_again_at_every_start(case, draft, verify, acceptance, catch_up):
+    """The first sequence finds drafting does not pay and decodes plainly; the next three start
+    plainly and draft no round at all; the fourth after the last one that drafted starts
+    afresh (acceptance may have come back) and gives up again; the one after it drafts
+    nothing."""
+    runs = _simulated_sequences(draft, verify, [acceptance] * 6, catch_up=catch_up)
+    drafted = [sum(1 for k in chosen if k) for _, chosen in runs]
+    assert drafted[0] > 0 and drafted[1:4] == [0, 0, 0] and drafted[4] > 0 and drafted[5] == 0, (case, drafted)
+
+
+def test_acceptance_that_comes_back_is_found_in_a_later_sequence():
+    """Two sequences whose drafts are never accepted (a costly catch-up: no probe within a
+    sequence), then sequences whose drafts all are: within four sequences one drafts most of
+    its rounds again."""
+    runs = _simulated_sequences(0.1, 0.2, [0.0, 0.0] + [1.0] * 5, catch_up=0.05)
+    back = [sum(1 for k in chosen if k) / len(chosen) for _, chosen in runs[2:]]
+    assert max(back[:4]) > 0.8, back
+
+
+def test_a_sequence_starts_from_the_last_one_with_the_same_model_and_draft():
+    """Through ``speculative_generate_step``: a draft never accepted whose passes cost 2 ms a
+    token (its catch-up is costly). The first call measures and gives it up; the next calls
+    with the same model and draft never call it; the fourth after the first starts afresh (it
+    calls the draft again), as does a different draft object. Every call gives greedy decoding's tokens."""
+    from support.counting import CountingModel
+
+    model = build_tiny_model(DENSE_MODEL_TYPE, seed=1)
+    prompt = prompt_tokens(9, seed=3)
+    reference = greedy(model, prompt, max_tokens=40)
+    draft = CountingModel(build_tiny_model(DENSE_MODEL_TYPE, seed=2), seconds_per_token=0.002)
+    calls = []
+    for _ in range(5):
+        before = draft.calls
+        got, _ = _speculate(model, draft, prompt, None, max_tokens=40)
+        assert reference.compare(got) is None
+        calls.append(draft.calls - before)
+    assert calls[0] > 0 and calls[1:4] == [0, 0, 0] and calls[4] > 0, calls
+    other = CountingModel(draft.model, seconds_per_token=0.002)
+    got, _ = _speculate(model, other, prompt, None, max_tokens=40)
+    assert reference.compare(got) is None and other.calls > 0, other.calls
+
+
+@pytest.mark.parametrize("draft, verify, acceptance", [
+    (0.1, 0.15, 0.0), (0.1, 0.15, 0.6), (0.1, 0.15, 0.7), (0.1, 0.15, 1.0),
+    (0.3, 0.3, 0.5), (0.3, 0.3, 0.9), (0.1, 0.3, 0.7), (0.1, 0.3, 0.9),
+])
+def test_later_sequences_on_synthetic_costs(draft, verify, acceptance):
+    """Sequences that start from the one before (costs as in :func:`_simulated_speed`, 192
+    tokens, 15 seeds of four sequences): the later ones stay >= 0.95x the better of plain
+    decoding and the best fixed k, and no worse than the first (which measures the costs)."""
+    import statistics
+
+    seeds = [_simulated_sequences(draft, verify, [acceptance] * 4, seed=s, tokens=192) for s in range(15)]
+    first = statistics.median(runs[0][0] for runs in seeds)
+    later = statistics.median(speed for runs in seeds for speed, _ in runs[1:])
+    best = max([1.0] + [statistics.median(_simulated_speed(draft, verify, acceptance, fixed=k, seed=s)
+                                          for s in range(15)) for k in (1, 2, 3)])
+    assert later >= 0.95 * best, f"later sequences {later:.2f}x plain, the better of plain and fixed k {best:.2f}x"
+    assert later >= first - 0.01, f"later sequences {later:.2f}x plain, the first {first:.2f}x"

@@ -27,12 +27,21 @@ a catch-up that alone costs more than that share ends the probing for the sequen
 are rejected, judged by the hopeful acceptance (or it costs twice the share; otherwise the
 probes come at the longest wait).
 
+A sequence starts from what the last sequence with the same model and draft left
+(:func:`recall`, :func:`remember`): its round times, rollback and catch-up - costs of this
+machine, not of one sequence - and its acceptance, as a prior of ``REMEMBERED`` observations
+in place of the fresh one. The first sequence measures the costs (plain rounds, rounds of
+one draft); later ones skip that and decide from their first round, so a draft that does not
+pay (never accepted, or as costly as the main model) is not asked at all. After
+``IDLE_SEQUENCES`` such sequences in a row, the next starts afresh: acceptance may be back.
+
 Tests force a schedule with :func:`forced` (``k`` per round, whatever the controller thinks).
 """
 
 import contextlib
 import contextvars
 import math
+import weakref
 
 DECAY = 0.9  # weight kept by older acceptance observations per new one (about 10 remembered)
 PRIOR = (0.5, 1.0)  # (accepted, seen) pseudo-counts: an estimate of 1/2 before anything is seen
@@ -42,6 +51,10 @@ FIRST_INTERVAL = 4  # plain rounds before the first probe
 PROBE_SHARE = 0.01  # the probes' extra cost kept near this share of the plain rounds' time
 MOST_INTERVAL = 256  # plain rounds between probes at most: how long a return of acceptance may wait
 STALE = 32  # rounds after which the times of a draft length longer than one, not run since, are forgotten
+IDLE_SEQUENCES = 3  # sequences in a row that may start from a memory and draft nothing; the next starts afresh
+REMEMBERED = 2.0  # observations the last sequence's acceptance (same model and draft) counts for: the next one's prior
+
+_remembered = {}  # (id(model), id(draft), an MTP head?) -> (model ref, draft ref, Controller.memory())
 
 _forced = contextvars.ContextVar("mlx_lm_patches_forced_draft_lengths", default=None)
 
@@ -63,6 +76,55 @@ def forced(schedule):
 
 def forced_schedule():
     return _forced.get()
+
+
+def _identity(obj):
+    """What a stand-in (``ModelWithCaches``, a journaled model) stands for; an MTP draft, made
+    anew per call, is its main model's head (``remembered_as``)."""
+    for _ in range(8):  # stand-ins wrap each other a few levels deep at most
+        try:
+            inner = getattr(obj, "remembered_as", None) or getattr(obj, "__dict__", {}).get("_model")
+        except Exception:  # an object whose attribute lookup fails otherwise: itself
+            inner = None
+        if inner is None or inner is obj:
+            break
+        obj = inner
+    return obj
+
+
+def _key(model, draft):
+    follows = bool(getattr(draft, "follows_main_model", False))  # an MTP head, not the model as its own draft
+    model, draft = _identity(model), _identity(draft)
+    return (id(model), id(draft), follows), model, draft
+
+
+def recall(model, draft):
+    """What the last sequence of ``model`` with ``draft`` left (:meth:`Controller.memory`), or None."""
+    key, model, draft = _key(model, draft)
+    held = _remembered.get(key)
+    if held is None or held[0]() is not model or held[1]() is not draft:
+        return None
+    return held[2]
+
+
+def remember(model, draft, controller):
+    """Keep ``controller``'s costs and acceptance for the next sequence of ``model`` with
+    ``draft`` (held while both are alive; nothing is kept for objects that cannot be referenced
+    weakly)."""
+    memory = controller.memory()
+    if memory is None:
+        return
+    key, model, draft = _key(model, draft)
+    try:
+        drop = lambda _ref: _remembered.pop(key, None)  # noqa: E731
+        _remembered[key] = (weakref.ref(model, drop), weakref.ref(draft, drop), memory)
+    except TypeError:
+        pass
+
+
+def forget():
+    """Forget every remembered sequence (tests: each starts as the first sequence of a process)."""
+    _remembered.clear()
 
 
 def _median(values):
@@ -90,7 +152,7 @@ def expected_tokens(a, k):
 class Controller:
     """The draft length of each round of one sequence; ``most``: the caller's ``num_draft_tokens``."""
 
-    def __init__(self, most, schedule=None, plain_start=False):
+    def __init__(self, most, schedule=None, plain_start=False, memory=None):
         self.most = int(most)
         self.plain_start = plain_start  # the sequence may begin with plain rounds (the draft holds nothing yet)
         self.schedule = list(schedule) if schedule is not None else None
@@ -112,6 +174,35 @@ class Controller:
         self.ran = {}  # k -> the round that last ran k
         self.drafting_timed = False  # a drafting round's usual time was seen (not a first round's, which holds a switch)
         self.bounds = set()  # lengths whose only time is a first round's (an upper bound)
+        self.recalled = False  # began from a former sequence's costs and acceptance
+        self.drafted = False  # a round of this sequence drafted
+        self.stale = {}  # k -> times forgotten in this sequence (the next one starts from them)
+        self.idle = 0  # sequences in a row, before this one, with no round that drafted
+        if memory is not None and self.schedule is None and memory["idle"] < IDLE_SEQUENCES:
+            self._recall(memory)  # (after sequences that drafted nothing, one starts afresh: acceptance may be back)
+
+    # -- what a sequence leaves for the next ---------------------------------------------------
+
+    def memory(self):
+        """Costs measured (round times, rollback, catch-up: the recent values) and the acceptance
+        estimate, for the next sequence with the same model and draft; None when nothing was
+        measured or the schedule was forced."""
+        if self.schedule is not None or not self.recent.get(0):
+            return None
+        recent = {k: list(v) for k, v in {**self.stale, **self.recent}.items() if k not in self.bounds and v}
+        return {"recent": recent, "acceptance": self.acceptance, "idle": 0 if self.drafted else self.idle + 1}
+
+    def _recall(self, memory):
+        self.recalled = True
+        self.recent = {k: list(v) for k, v in memory["recent"].items()}
+        for k, values in self.recent.items():
+            self.seconds[k] = _median(values)
+        self.rollback = self.seconds.pop("rollback", None)
+        self.catch_up = self.seconds.pop("catch-up", 0.0)
+        self.drafting_timed = any(k for k in self.seconds if k)
+        self.accepted = REMEMBERED * memory["acceptance"]
+        self.rejected = REMEMBERED - self.accepted
+        self.idle = memory["idle"]
 
     # -- what was seen -------------------------------------------------------------------------
 
@@ -158,6 +249,7 @@ class Controller:
             self.bounds.add(k)
         self._time(k, kept, None if first else seconds)
         self.ran[k] = self.rounds
+        self.drafted = self.drafted or k > 0
         if k:
             self._forget_stale()
         if k == 0:
@@ -192,7 +284,7 @@ class Controller:
         tokens would pay). One draft's times stay: they set the probes' waits."""
         for k in [k for k in self.seconds if k >= 2 and self.rounds - self.ran.get(k, 0) > STALE]:
             del self.seconds[k]
-            self.recent.pop(k, None)
+            self.stale[k] = self.recent.pop(k, [])
 
     def _catch_up_share(self):
         plain = self.seconds.get(0)
@@ -277,12 +369,14 @@ class Controller:
         upper quartile against the plain rounds' lower quartile, with its measured catch-up per
         missed token spread over ``RECENT`` rounds; while drafting, the plain rounds' upper
         quartile against the drafting ones' lower quartile (a few rejections in a row at high
-        acceptance must not send it to plain decoding, from where only a probe brings it back)."""
+        acceptance must not send it to plain decoding, from where only a probe brings it back).
+        A sequence's first round from a former sequence's costs takes their medians: it switches
+        nothing."""
         plain_side = self.plain_run > 0 or self.probed
         times = {}
         for k in range(self.most + 1):
             t = self.round_time(k)
-            if k in self.recent:
+            if k in self.recent and self.rounds:
                 t = _quantile(self.recent[k], 0.25 if (k == 0) == plain_side else 0.75)
             if t is None or t <= 0:
                 continue

@@ -20,7 +20,9 @@ Fix
     separate draft model catches up on the tokens it missed in chunked forward passes before
     its next draft (after a plain start, that is its prefill); an MTP draft follows the main
     model's recorded passes. Every token is verified by the main model or decoded plainly, so
-    the output is unchanged whatever the schedule.
+    the output is unchanged whatever the schedule. A sequence starts from the costs and the
+    acceptance the last one with the same model and draft measured (the first of a process
+    measures them), so a draft that does not pay is not called again at every start.
     ``MLX_LM_PATCHES_ADAPTIVE_DRAFTING=0`` turns it off (``k`` fixed as in stock mlx-lm); with
     ``logits_processors`` or ``max_tokens < 0`` the loop also runs as it is (its history of
     tokens for processors does not survive a restart). The ranks of a distributed model
@@ -137,7 +139,7 @@ def _segments(wrapped, bound, most, max_tokens, schedule, ranks=None):
     from mlx_lm.models.cache import make_prompt_cache
 
     from mlx_lm_patches.engine.patching import beneath_layers
-    from mlx_lm_patches.mechanisms.adaptive import Controller, RankZeroChooses
+    from mlx_lm_patches.mechanisms.adaptive import Controller, RankZeroChooses, recall, remember
     from mlx_lm_patches.mechanisms.journal import journal_of
 
     arguments = bound.arguments
@@ -159,9 +161,8 @@ def _segments(wrapped, bound, most, max_tokens, schedule, ranks=None):
     # loop as in stock, where prefix reuse keeps its states
     supplied = prompt_cache is not None or getattr(model, "caller_caches", None) is not None
     plain_start = not supplied and not follows
-    controller = Controller(most, schedule, plain_start=plain_start)
-    if ranks is not None and schedule is None:
-        controller = RankZeroChooses(controller, ranks)
+    own = Controller(most, schedule, plain_start=plain_start, memory=recall(model, draft_model))
+    controller = RankZeroChooses(own, ranks) if ranks is not None and schedule is None else own
     sequence = [int(t) for t in mx.array(arguments["prompt"]).reshape(-1).tolist()]
     prompt_length = len(sequence)
     draft_seen = 0 if plain_start else None  # positions of `sequence` the draft holds (None: the first segment's own count)
@@ -234,6 +235,7 @@ def _segments(wrapped, bound, most, max_tokens, schedule, ranks=None):
     finally:
         if steps is not None:
             steps.close()
+        remember(model, draft_model, own)  # this machine's costs and the acceptance, for the next sequence
 
 
 def _plain_rounds(plain_step, prompt, model, caches, sampler, options, controller, sequence, left):

@@ -503,6 +503,12 @@ class MTPDraft:
 
     follows_main_model = True  # catches up from the main model's recorded passes (adaptive drafting)
 
+    @property
+    def remembered_as(self):
+        """Adaptive drafting keeps a sequence's costs for the next one per draft: a draft made
+        anew per call is its main model's head."""
+        return self.main
+
     def __init__(self, model, hidden=None, fusion=None):
         hidden = hidden or family_of(model).HIDDEN  # the family's, by default
         if hidden not in HIDDEN_KINDS:
