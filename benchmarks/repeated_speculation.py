@@ -55,7 +55,7 @@ def main():
     mlx_lm_patches.apply()
     from speculation_costs import HintedDraft, adaptive_drafting, draft_proportions, proportions, speculate
 
-    from mlx_lm_patches.mechanisms import adaptive
+    from mlx_lm_patches.patches.adaptive_drafting import forget_sequences
     from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
     from mlx_lm_patches.selftest.scenarios import greedy
     from mlx_lm_patches.selftest.tiny_models import build_tiny_model
@@ -91,7 +91,7 @@ def main():
                 for run in runs:
                     adaptive_drafting(not isinstance(run, int))
                     if run == "first":
-                        adaptive.forget()
+                        forget_sequences()
                     start = time.perf_counter()
                     got, _ = speculate(model, draft, prompt, args.tokens, run if isinstance(run, int) else max(args.ks))
                     spent = time.perf_counter() - start

@@ -331,7 +331,8 @@ def measured_ratio(model, make_draft, prompt, ref, k, args, adaptive=False):
     speculative runs alternate, P S P S ... P: each speculative run is set against the mean of
     the plain runs on either side of it (the machine's speed drifts over seconds), the ratio is
     the median over ``--repeats``; each plain run against the next one (the same protocol, A/A)
-    goes to ``args.plain_pairs``: how far the machine alone moves a ratio."""
+    goes to ``args.plain_pairs``: how far the machine alone moves a ratio. Every speculative run
+    is a process's first sequence (adaptive drafting's memory forgotten before it)."""
     import statistics
 
     from mlx_lm_patches.selftest.scenarios import greedy
@@ -341,12 +342,16 @@ def measured_ratio(model, make_draft, prompt, ref, k, args, adaptive=False):
         greedy(model, prompt, max_tokens=args.tokens)
         return time.perf_counter() - start
 
+    from mlx_lm_patches.patches.adaptive_drafting import forget_sequences
+
     adaptive_drafting(adaptive)
     speculate(model, make_draft(), prompt, 4, k)  # warm-up
     plains, ratios = [plain()], []
     got = flags = None
     for _ in range(args.repeats):
         draft = make_draft()
+        forget_sequences()  # every run a first sequence (an MTP draft made anew is its model's head:
+        # adaptive drafting would start from the last run's costs; benchmarks/repeated_speculation.py)
         start = time.perf_counter()
         got, flags = speculate(model, draft, prompt, args.tokens, k)
         spent = time.perf_counter() - start

@@ -280,12 +280,12 @@ def _kv_quantization_forgotten():
 @pytest.fixture(autouse=True)
 def _drafting_memory_forgotten():
     """Adaptive drafting starts a sequence from what the last one with the same model and draft
-    left (mechanisms/adaptive.py): forget it around each test, so every test's first sequence
-    starts as a process's first does, whichever test ran before it."""
-    def forget():
-        adaptive = sys.modules.get("mlx_lm_patches.mechanisms.adaptive")
-        if adaptive is not None:
-            adaptive.forget()
+    left (mechanisms/adaptive.py, kept in the patch's memo): forget it around each test, so
+    every test's first sequence starts as a process's first does, whichever test ran before."""
+    def forget():  # only where the patch was loaded: the fixture itself imports nothing
+        patch = sys.modules.get("mlx_lm_patches.patches.adaptive_drafting")
+        if patch is not None:
+            patch.forget_sequences()
 
     forget()
     yield

@@ -17,6 +17,7 @@ of each round, and the output never moves.
 
 import pytest
 
+from conftest import reverted
 from mlx_lm_patches.mechanisms.probing.decoded import prompt_tokens
 from mlx_lm_patches.selftest.scenarios import continue_after_speculation, greedy
 from mlx_lm_patches.selftest.tiny_models import DENSE_MODEL_TYPE, available_model_types, build_tiny_model
@@ -498,7 +499,8 @@ def test_a_sequence_starts_from_the_last_one_with_the_same_model_and_draft():
     """Through ``speculative_generate_step``: a draft never accepted whose passes cost 2 ms a
     token (its catch-up is costly). The first call measures and gives it up; the next calls
     with the same model and draft never call it; the fourth after the first starts afresh (it
-    calls the draft again), as does a different draft object. Every call gives greedy decoding's tokens."""
+    calls the draft again), as does a different draft object, and the first call after
+    ``revert()``. Every call gives greedy decoding's tokens."""
     from support.counting import CountingModel
 
     model = build_tiny_model(DENSE_MODEL_TYPE, seed=1)
@@ -512,6 +514,14 @@ def test_a_sequence_starts_from_the_last_one_with_the_same_model_and_draft():
         assert reference.compare(got) is None
         calls.append(draft.calls - before)
     assert calls[0] > 0 and calls[1:4] == [0, 0, 0] and calls[4] > 0, calls
+    before = draft.calls
+    _speculate(model, draft, prompt, None, max_tokens=40)
+    assert draft.calls == before, "the sequence after a fresh start did not start from it"
+    with reverted(PATCH):  # revert() forgets what the sequences measured (the patch's memo)
+        pass
+    before = draft.calls
+    got, _ = _speculate(model, draft, prompt, None, max_tokens=40)
+    assert reference.compare(got) is None and draft.calls > before, "the memory outlived revert()"
     other = CountingModel(draft.model, seconds_per_token=0.002)
     got, _ = _speculate(model, other, prompt, None, max_tokens=40)
     assert reference.compare(got) is None and other.calls > 0, other.calls

@@ -28,7 +28,8 @@ are rejected, judged by the hopeful acceptance (or it costs twice the share; oth
 probes come at the longest wait).
 
 A sequence starts from what the last sequence with the same model and draft left
-(:func:`recall`, :func:`remember`): its round times, rollback and catch-up - costs of this
+(:func:`recall`, :func:`remember`; kept by the caller, keyed ``(id(model), id(draft), an MTP
+head?)``): its round times, rollback and catch-up - costs of this
 machine, not of one sequence - and its acceptance, as a prior of ``REMEMBERED`` observations
 in place of the fresh one. The first sequence measures the costs (plain rounds, rounds of
 one draft); later ones skip that and decide from their first round, so a draft that does not
@@ -53,8 +54,6 @@ MOST_INTERVAL = 256  # plain rounds between probes at most: how long a return of
 STALE = 32  # rounds after which the times of a draft length longer than one, not run since, are forgotten
 IDLE_SEQUENCES = 3  # sequences in a row that may start from a memory and draft nothing; the next starts afresh
 REMEMBERED = 2.0  # observations the last sequence's acceptance (same model and draft) counts for: the next one's prior
-
-_remembered = {}  # (id(model), id(draft), an MTP head?) -> (model ref, draft ref, Controller.memory())
 
 _forced = contextvars.ContextVar("mlx_lm_patches_forced_draft_lengths", default=None)
 
@@ -98,33 +97,29 @@ def _key(model, draft):
     return (id(model), id(draft), follows), model, draft
 
 
-def recall(model, draft):
-    """What the last sequence of ``model`` with ``draft`` left (:meth:`Controller.memory`), or None."""
+def recall(store, model, draft):
+    """What the last sequence of ``model`` with ``draft`` left in ``store`` (a dict the caller
+    keeps: the patch's memo), or None."""
     key, model, draft = _key(model, draft)
-    held = _remembered.get(key)
+    held = store.get(key)
     if held is None or held[0]() is not model or held[1]() is not draft:
         return None
     return held[2]
 
 
-def remember(model, draft, controller):
-    """Keep ``controller``'s costs and acceptance for the next sequence of ``model`` with
-    ``draft`` (held while both are alive; nothing is kept for objects that cannot be referenced
-    weakly)."""
+def remember(store, model, draft, controller):
+    """Keep ``controller``'s costs and acceptance in ``store`` for the next sequence of ``model``
+    with ``draft`` (held while both are alive; nothing is kept for objects that cannot be
+    referenced weakly)."""
     memory = controller.memory()
     if memory is None:
         return
     key, model, draft = _key(model, draft)
     try:
-        drop = lambda _ref: _remembered.pop(key, None)  # noqa: E731
-        _remembered[key] = (weakref.ref(model, drop), weakref.ref(draft, drop), memory)
+        drop = lambda _ref: store.pop(key, None)  # noqa: E731
+        store[key] = (weakref.ref(model, drop), weakref.ref(draft, drop), memory)
     except TypeError:
         pass
-
-
-def forget():
-    """Forget every remembered sequence (tests: each starts as the first sequence of a process)."""
-    _remembered.clear()
 
 
 def _median(values):

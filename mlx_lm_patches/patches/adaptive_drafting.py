@@ -37,12 +37,15 @@ Retire
 import contextlib
 import sys
 import time
+from functools import partial
 
 from mlx_lm_patches.engine.contract import Outcome, missing
 from mlx_lm_patches.mechanisms.speculative import ModelWithCaches
 
 GENERATE = "mlx_lm.generate"
 CACHE = "mlx_lm.models.cache"
+# the patch's memo: per (model, draft), what the last sequence measured (mechanisms/adaptive.py)
+SEQUENCES = "the costs and acceptance of the last sequence per model and draft"
 # set by mlx.launch (ring, jaccl) and MPI launchers in each rank's environment
 LAUNCHED = ("MLX_RANK", "MLX_HOSTFILE", "MLX_JACCL_COORDINATOR", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
 
@@ -84,7 +87,18 @@ class _Draft(ModelWithCaches):
             mx.eval([c.state for c in cache])
 
 
-def _adaptive(wrapped, instance, args, kwargs):
+def forget_sequences():
+    """Forget what earlier sequences measured: the next sequence starts as a process's first
+    (tests; benchmarks timing first sequences). ``revert()`` forgets it too."""
+    from mlx_lm_patches.engine import core
+
+    engine = getattr(core, "_engine", None)
+    record = engine.records.get("adaptive-drafting") if engine is not None else None
+    if record is not None and record.patcher is not None:
+        record.patcher.memo.pop(SEQUENCES, None)
+
+
+def _adaptive(memo, wrapped, instance, args, kwargs):
     from mlx_lm_patches.mechanisms.adaptive import forced_schedule
     from mlx_lm_patches.mechanisms.calls import bind_arguments
 
@@ -96,7 +110,7 @@ def _adaptive(wrapped, instance, args, kwargs):
     if (not enabled() and schedule is None) or most <= 0 or arguments.get("logits_processors") \
             or max_tokens is None or max_tokens < 0:
         return wrapped(*args, **kwargs)
-    return _segments(wrapped, bound, most, max_tokens, schedule, _ranks())
+    return _segments(wrapped, bound, most, max_tokens, schedule, _ranks(), memo.setdefault(SEQUENCES, {}))
 
 
 def _ranks():
@@ -134,7 +148,7 @@ class _KeepsLastSample:
 PLAIN_OPTIONS = ("prefill_step_size", "kv_bits", "kv_group_size", "quantized_kv_start")
 
 
-def _segments(wrapped, bound, most, max_tokens, schedule, ranks=None):
+def _segments(wrapped, bound, most, max_tokens, schedule, ranks, remembered):
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -161,7 +175,7 @@ def _segments(wrapped, bound, most, max_tokens, schedule, ranks=None):
     # loop as in stock, where prefix reuse keeps its states
     supplied = prompt_cache is not None or getattr(model, "caller_caches", None) is not None
     plain_start = not supplied and not follows
-    own = Controller(most, schedule, plain_start=plain_start, memory=recall(model, draft_model))
+    own = Controller(most, schedule, plain_start=plain_start, memory=recall(remembered, model, draft_model))
     controller = RankZeroChooses(own, ranks) if ranks is not None and schedule is None else own
     sequence = [int(t) for t in mx.array(arguments["prompt"]).reshape(-1).tolist()]
     prompt_length = len(sequence)
@@ -235,7 +249,7 @@ def _segments(wrapped, bound, most, max_tokens, schedule, ranks=None):
     finally:
         if steps is not None:
             steps.close()
-        remember(model, draft_model, own)  # this machine's costs and the acceptance, for the next sequence
+        remember(remembered, model, draft_model, own)  # this machine's costs and the acceptance, for the next sequence
 
 
 def _plain_rounds(plain_step, prompt, model, caches, sampler, options, controller, sequence, left):
@@ -324,7 +338,7 @@ def probe():
 
 
 def apply(p):
-    p.wrap(f"{GENERATE}:speculative_generate_step", _adaptive)
+    p.wrap(f"{GENERATE}:speculative_generate_step", partial(_adaptive, p.memo))
 
 
 def scenario():
