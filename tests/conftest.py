@@ -265,12 +265,12 @@ def _kv_quantization_forgotten():
     with ``--kv-bits`` is: prefix restores on long prompts are declined from then on); forget it
     before and after each test, so no test depends on which ran before it."""
     def forget():  # only where an engine runs: the fixture itself starts nothing
-        engine = getattr(sys.modules.get("mlx_lm_patches.engine.core"), "_engine", None)
-        record = engine.records.get("prompt-cache-prefix-reuse") if engine is not None else None
-        if record is not None and record.patcher is not None:
+        core = sys.modules.get("mlx_lm_patches.engine.core")
+        memo = core.memo("prompt-cache-prefix-reuse") if core is not None else None
+        if memo is not None:
             from mlx_lm_patches.mechanisms.prefix_reuse.settings import QUANTIZED_FROM
 
-            record.patcher.memo.pop(QUANTIZED_FROM, None)
+            memo.pop(QUANTIZED_FROM, None)
 
     forget()
     yield

@@ -106,8 +106,8 @@ def _memo():
     """What prompt-cache-prefix-reuse has noted in this process (its patcher's memo)."""
     from mlx_lm_patches.engine import core
 
-    patcher = core.get().records["prompt-cache-prefix-reuse"].patcher
-    return patcher.memo if patcher is not None else {}
+    core.get()
+    return core.memo("prompt-cache-prefix-reuse") or {}
 
 
 def _differ(warm, cold):

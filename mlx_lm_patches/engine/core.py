@@ -537,3 +537,10 @@ def status() -> List[PatchStatus]:
 def changes() -> Dict[str, List[str]]:
     """What the patches (and the bootstrap) changed beyond their targets; ``revert()`` undoes it."""
     return get().changes()
+
+
+def memo(patch_id: str) -> Optional[dict]:
+    """The memo of patch ``patch_id`` (what it keeps between calls), or None where no engine
+    runs or the patch was never applied; starts nothing."""
+    record = _engine.records.get(patch_id) if _engine is not None else None
+    return record.patcher.memo if record is not None and record.patcher is not None else None

@@ -169,7 +169,6 @@ class Controller:
         self.ran = {}  # k -> the round that last ran k
         self.drafting_timed = False  # a drafting round's usual time was seen (not a first round's, which holds a switch)
         self.bounds = set()  # lengths whose only time is a first round's (an upper bound)
-        self.recalled = False  # began from a former sequence's costs and acceptance
         self.drafted = False  # a round of this sequence drafted
         self.stale = {}  # k -> times forgotten in this sequence (the next one starts from them)
         self.idle = 0  # sequences in a row, before this one, with no round that drafted
@@ -188,7 +187,6 @@ class Controller:
         return {"recent": recent, "acceptance": self.acceptance, "idle": 0 if self.drafted else self.idle + 1}
 
     def _recall(self, memory):
-        self.recalled = True
         self.recent = {k: list(v) for k, v in memory["recent"].items()}
         for k, values in self.recent.items():
             self.seconds[k] = _median(values)

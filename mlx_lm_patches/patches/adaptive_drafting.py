@@ -92,10 +92,9 @@ def forget_sequences():
     (tests; benchmarks timing first sequences). ``revert()`` forgets it too."""
     from mlx_lm_patches.engine import core
 
-    engine = getattr(core, "_engine", None)
-    record = engine.records.get("adaptive-drafting") if engine is not None else None
-    if record is not None and record.patcher is not None:
-        record.patcher.memo.pop(SEQUENCES, None)
+    memo = core.memo("adaptive-drafting")
+    if memo is not None:
+        memo.pop(SEQUENCES, None)
 
 
 def _adaptive(memo, wrapped, instance, args, kwargs):
