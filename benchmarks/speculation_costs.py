@@ -329,7 +329,7 @@ def adaptive_drafting(on):
 
 
 def measure_row(model, make_draft, prompt, ref, ks, args):
-    """One hinted rate: every variant - each fixed k of ``ks`` and, with ``--adaptive``, adaptive
+    """One hinted rate: every variant - each fixed k of ``ks`` and, unless ``--no-adaptive``, adaptive
     drafting (k <= max of ``ks``) - run ``--repeats`` times, interleaved with plain runs:
     P V1 P V2 P ... Vn P in each repeat, the variants' order rotating from one repeat to the
     next. A run's ratio is the mean of the plain runs on either side of it over its own time (the
