@@ -24,11 +24,10 @@ Retire
 """
 
 import contextvars
-import inspect
 import sys
 
 from mlx_lm_patches.engine.contract import Outcome
-from mlx_lm_patches.mechanisms.calls import bind_arguments
+from mlx_lm_patches.mechanisms.calls import bind_arguments, signature_of
 
 CACHE = "mlx_lm.models.cache"
 GENERATE = "mlx_lm.generate"
@@ -144,7 +143,7 @@ def _may_quantize(wrapped, arguments) -> bool:
     loop is the plain path's and stock's answer is exact: it runs as it is."""
     from mlx_lm_patches.mechanisms.caches import flat_caches, int_offset
 
-    defaults = {k: p.default for k, p in inspect.signature(wrapped).parameters.items()}
+    defaults = {k: p.default for k, p in signature_of(wrapped).parameters.items()}
     get = lambda name: arguments.get(name, defaults.get(name))  # noqa: E731
     max_tokens = get("max_tokens")
     if max_tokens is None or max_tokens < 0:
@@ -156,7 +155,7 @@ def _may_quantize(wrapped, arguments) -> bool:
 
 def _given(wrapped, args, kwargs, name) -> bool:
     try:
-        return name in inspect.signature(wrapped).bind_partial(*args, **kwargs).arguments
+        return name in signature_of(wrapped).bind_partial(*args, **kwargs).arguments
     except TypeError:
         return False
 
@@ -177,7 +176,7 @@ def _speculative(wrapped, instance, args, kwargs):
     if _given(wrapped, args, kwargs, "prefill_step_size"):
         chunk = arguments["prefill_step_size"]
     else:
-        plain = inspect.signature(sys.modules[GENERATE].generate_step).parameters["prefill_step_size"]
+        plain = signature_of(sys.modules[GENERATE].generate_step).parameters["prefill_step_size"]
         chunk = plain.default
     arguments["prefill_step_size"] = chunk
     arguments["model"] = PlainPathModel(arguments["model"], windows, len(arguments["prompt"]), chunk)
