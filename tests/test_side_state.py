@@ -29,6 +29,8 @@ NOT_SIDE_STATE = {
     ("mechanisms/journal.py", "_journals"): "journals attached to live caches (weak keys), detached after each call",
     ("mechanisms/prefix_reuse/forward.py", "_ARRAY"): "mx.array, looked up once (mlx is imported lazily)",
     ("mechanisms/prefix_reuse/forward.py", "_INTEGER_DTYPES"): "mlx's integer dtypes, looked up once",
+    ("mechanisms/calls.py", "_signatures"): "what inspect.signature gives for live functions (weak keys): "
+                                            "the same before and after revert",
 }
 
 
