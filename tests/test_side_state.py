@@ -126,3 +126,40 @@ def test_the_cutting_scope_is_per_asyncio_task():
 
     asyncio.run(main())
     assert seen == {"inside": True, "other": False}, seen
+
+
+@pytest.mark.python_only
+def test_signatures_read_once_keep_nothing_alive():
+    """``calls.signature_of`` (the wrappers read a call's arguments by it) gives what
+    ``inspect.signature`` gives, for functions, bound methods, partials and unhashable callables,
+    and its cache does not keep a function alive (a reverted wrapper goes with its entry)."""
+    import functools
+    import gc
+    import inspect
+    import weakref
+
+    from mlx_lm_patches.mechanisms import calls
+
+    def function(prompt, model, *, max_tokens=256, **kwargs):
+        return prompt
+
+    class Unhashable:
+        __hash__ = None
+
+        def __call__(self, tokens, cache=None):
+            return tokens
+
+        def method(self, x, y=2):
+            return x
+
+    holder = Unhashable()
+    for target in (function, holder.method, functools.partial(function, 1), holder):
+        assert calls.signature_of(target) == inspect.signature(target)
+        assert calls.signature_of(target) == inspect.signature(target)  # from the cache where kept
+    assert calls.bind_arguments(function, (1, 2), {}).arguments == {"prompt": 1, "model": 2, "max_tokens": 256,
+                                                                     "kwargs": {}}
+    gone = weakref.ref(function)
+    assert function in calls._signatures
+    del function, target
+    gc.collect()
+    assert gone() is None, "the signature cache kept a function alive"
