@@ -15,15 +15,10 @@ def signature_of(function) -> inspect.Signature:
     try:
         return _signatures[function]
     except KeyError:
-        pass
+        signature = _signatures[function] = inspect.signature(function)
+        return signature
     except TypeError:  # not hashable, or not weakly referenceable: read each time
         return inspect.signature(function)
-    signature = inspect.signature(function)
-    try:
-        _signatures[function] = signature
-    except TypeError:
-        pass
-    return signature
 
 
 def bind_arguments(function, args, kwargs):
